@@ -1,0 +1,147 @@
+#pragma once
+
+/// MoeReRoutingV2: reorders the tokens received by the dispatch AlltoAll from
+/// (source rank, local expert) order to (local expert, source rank) order,
+/// carrying scales and top-k weights, and its inverse. See SPEC.md.
+///
+/// Plan, then run: `plan_reroute` validates every argument, infers the output
+/// specs and splits the work; `run_reroute` checks the outputs against the
+/// plan and moves the bytes. Nothing is written unless every check passed.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "moe_reroute/dtype.h"
+#include "moe_reroute/error.h"
+#include "moe_reroute/export.h"
+#include "moe_reroute/tensor.h"
+
+namespace moe_reroute {
+
+inline constexpr int kExpertTokenNumCumsum = 0;
+inline constexpr int kExpertTokenNumCount = 1;
+inline constexpr int kIdxGather = 0;
+inline constexpr int kIdxScatter = 1;
+
+struct Attributes {
+  int expert_token_num_type = kExpertTokenNumCount;  // 1 = count, 0 = cumsum
+  int idx_type = kIdxGather;                         // 0 = gather, 1 = scatter
+  bool operator==(const Attributes& other) const = default;
+};
+
+struct RerouteInputs {
+  TensorView tokens;                         // [A, H], a token dtype
+  TensorView expert_token_num_per_rank;      // [N, E] int32 or int64
+  std::optional<TensorView> per_token_scales;    // [A], [A, S] f32; [A, K, 2], [A, S] e8m0
+  std::optional<TensorView> expert_topk_weight;  // [A, 1] or [A] float32
+};
+
+struct RerouteOutputs {
+  TensorView permute_tokens;
+  TensorView permute_per_token_scales;
+  TensorView permute_token_idx;
+  TensorView expert_token_num;
+  TensorView permute_topk_weight;  // shape (0,) when no weight is given
+};
+
+struct RerouteOutputSpecs {
+  TensorSpec permute_tokens;
+  TensorSpec permute_per_token_scales;
+  TensorSpec permute_token_idx;
+  TensorSpec expert_token_num;
+  TensorSpec permute_topk_weight;
+  bool operator==(const RerouteOutputSpecs& other) const = default;
+};
+
+/// The inverse takes expert-ordered rows (any dtype, any row length) back to
+/// rank order by the same counts.
+struct InverseInputs {
+  TensorView tokens;                             // [A, H], any dtype
+  TensorView expert_token_num_per_rank;          // [N, E] int32 or int64
+  std::optional<TensorView> per_token_scales;    // as for the forward
+  std::optional<TensorView> expert_topk_weight;  // as for the forward
+};
+
+struct InverseOutputs {
+  TensorView restored_tokens;
+  std::optional<TensorView> restored_per_token_scales;  // exactly when scales are given
+  std::optional<TensorView> restored_topk_weight;       // exactly when weights are given
+};
+
+struct InverseOutputSpecs {
+  TensorSpec restored_tokens;
+  std::optional<TensorSpec> restored_per_token_scales;
+  std::optional<TensorSpec> restored_topk_weight;
+  bool operator==(const InverseOutputSpecs& other) const = default;
+};
+
+/// A run of `num_rows` rows, contiguous in both source and destination.
+struct Chunk {
+  std::int64_t src_row = 0;
+  std::int64_t dst_row = 0;
+  std::int64_t num_rows = 0;
+  bool operator==(const Chunk& other) const = default;
+};
+
+enum class Direction { kForward, kInverse };
+
+/// Everything a run needs, computed from shapes, attributes and the counts.
+struct MOE_REROUTE_API Plan {
+  Direction direction = Direction::kForward;
+  Attributes attributes;
+  std::int64_t num_tokens = 0;   // A
+  std::int64_t num_ranks = 0;    // N
+  std::int64_t num_experts = 0;  // E
+  std::int64_t token_row_bytes = 0;
+  std::int64_t scale_row_bytes = 0;   // 0 when no scales are given
+  std::int64_t weight_row_bytes = 0;  // 0 when no weights are given
+  std::vector<TensorSpec> input_specs;   // tokens, counts, scales?, weight?
+  std::vector<TensorSpec> output_specs;  // the outputs, in their struct's order
+  std::vector<std::int64_t> src_offset;  // [N * E], block (r, e) at r * E + e
+  std::vector<std::int64_t> dst_offset;  // [N * E]
+  std::vector<std::int64_t> expert_token_num;  // [E], counts or cumsum as written
+  /// The work split: thread t moves chunks[thread_begin[t] .. thread_begin[t+1]).
+  std::vector<Chunk> chunks;
+  std::vector<std::int64_t> thread_begin;
+
+  int num_threads() const { return static_cast<int>(thread_begin.size()) - 1; }
+  /// Bytes one row costs across every output (what the split balances).
+  std::int64_t bytes_per_row() const;
+  /// A few lines: sizes, row bytes and each thread's chunks and bytes.
+  std::string to_string() const;
+  bool operator==(const Plan& other) const = default;
+};
+
+/// Output specs from shapes, dtypes and attributes alone (reads no data);
+/// throws Error for any violation of SPEC section 4 but rule 5.
+MOE_REROUTE_API RerouteOutputSpecs infer_reroute(const RerouteInputs& inputs,
+                                                 const Attributes& attributes = {});
+MOE_REROUTE_API InverseOutputSpecs infer_inverse(const InverseInputs& inputs);
+
+/// Validates everything (reading the counts), computes int64 offsets and
+/// splits the rows over at most `num_threads` threads (0: all hardware
+/// threads), balanced by bytes. Throws Error.
+MOE_REROUTE_API Plan plan_reroute(const RerouteInputs& inputs, const Attributes& attributes = {},
+                                  int num_threads = 0);
+MOE_REROUTE_API Plan plan_inverse(const InverseInputs& inputs, int num_threads = 0);
+
+/// Moves the bytes on the CPU. Throws Error, before writing anything, when the
+/// inputs differ from the planned specs or an output has the wrong spec or
+/// overlaps an input or another output.
+MOE_REROUTE_API void run_reroute(const Plan& plan, const RerouteInputs& inputs,
+                                 const RerouteOutputs& outputs);
+MOE_REROUTE_API void run_inverse(const Plan& plan, const InverseInputs& inputs,
+                                 const InverseOutputs& outputs);
+
+/// Plan and run in one call.
+MOE_REROUTE_API void moe_re_routing(const RerouteInputs& inputs, const RerouteOutputs& outputs,
+                                    const Attributes& attributes = {}, int num_threads = 0);
+MOE_REROUTE_API void moe_re_routing_inverse(const InverseInputs& inputs,
+                                            const InverseOutputs& outputs, int num_threads = 0);
+
+/// The number of threads `num_threads = 0` means here.
+MOE_REROUTE_API int hardware_threads();
+
+}  // namespace moe_reroute

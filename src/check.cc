@@ -1,0 +1,72 @@
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "check.h"
+
+namespace moe_reroute::detail {
+namespace {
+
+bool overlaps(const TensorView& a, const TensorView& b) {
+  if (a.nbytes() == 0 || b.nbytes() == 0) return false;
+  const auto a_begin = reinterpret_cast<std::uintptr_t>(a.data);
+  const auto b_begin = reinterpret_cast<std::uintptr_t>(b.data);
+  return a_begin < b_begin + static_cast<std::uintptr_t>(b.nbytes()) &&
+         b_begin < a_begin + static_cast<std::uintptr_t>(a.nbytes());
+}
+
+}  // namespace
+
+void check_run_arguments(const std::vector<TensorSpec>& input_specs,
+                         const std::vector<NamedView>& inputs,
+                         const std::vector<TensorSpec>& output_specs,
+                         const std::vector<NamedView>& outputs) {
+  if (input_specs.size() != inputs.size()) {
+    fail(ErrorCode::kInvalidArgument,
+         "plan: made for " + std::to_string(input_specs.size()) + " inputs, run with " +
+             std::to_string(inputs.size()) + " (optional inputs must match the plan)");
+  }
+  if (output_specs.size() != outputs.size()) {
+    fail(ErrorCode::kInvalidArgument,
+         "plan: made for " + std::to_string(output_specs.size()) + " outputs, run with " +
+             std::to_string(outputs.size()) + " (optional outputs must match the inputs)");
+  }
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    const NamedView& input = inputs[i];
+    if (!(input.view->spec == input_specs[i])) {
+      fail(ErrorCode::kInvalidArgument, std::string(input.name) + ": is " +
+                                            input.view->spec.to_string() +
+                                            " but the plan was made for " +
+                                            input_specs[i].to_string());
+    }
+    if (input.view->data == nullptr && input.view->nbytes() > 0) {
+      fail(ErrorCode::kInvalidArgument, std::string(input.name) + ": data is null");
+    }
+  }
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    const NamedView& output = outputs[i];
+    const TensorView& view = *output.view;
+    if (!(view.spec == output_specs[i])) {
+      fail(ErrorCode::kInvalidArgument, std::string(output.name) + ": must be " +
+                                            output_specs[i].to_string() + ", got " +
+                                            view.spec.to_string());
+    }
+    if (view.data == nullptr && view.nbytes() > 0) {
+      fail(ErrorCode::kInvalidArgument, std::string(output.name) + ": data is null");
+    }
+    for (const NamedView& input : inputs) {
+      if (overlaps(view, *input.view)) {
+        fail(ErrorCode::kInvalidArgument,
+             std::string(output.name) + ": overlaps input " + input.name);
+      }
+    }
+    for (std::size_t j = 0; j < i; ++j) {
+      if (overlaps(view, *outputs[j].view)) {
+        fail(ErrorCode::kInvalidArgument,
+             std::string(output.name) + ": overlaps output " + outputs[j].name);
+      }
+    }
+  }
+}
+
+}  // namespace moe_reroute::detail

@@ -1,0 +1,171 @@
+// CPU execution: each thread memcpys its planned chunks of token, scale and
+// weight rows and writes the matching index entries. No dtype dispatch: rows
+// are bytes.
+
+#include <omp.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "../check.h"
+#include "moe_reroute/reroute.h"
+
+namespace moe_reroute {
+namespace {
+
+using detail::NamedView;
+
+struct RowStream {
+  const std::byte* src = nullptr;  // null: zero-fill the destination rows
+  std::byte* dst = nullptr;
+  std::int64_t row_bytes = 0;
+
+  void move(const Chunk& chunk) const {
+    if (row_bytes == 0) return;
+    std::byte* to = dst + chunk.dst_row * row_bytes;
+    const std::size_t bytes = static_cast<std::size_t>(chunk.num_rows * row_bytes);
+    if (src == nullptr) {
+      std::memset(to, 0, bytes);
+    } else {
+      std::memcpy(to, src + chunk.src_row * row_bytes, bytes);
+    }
+  }
+};
+
+RowStream stream(const TensorView* src, TensorView* dst, std::int64_t row_bytes) {
+  if (dst == nullptr) return {};
+  return {src ? static_cast<const std::byte*>(src->data) : nullptr,
+          static_cast<std::byte*>(dst->data), row_bytes};
+}
+
+// Runs `body(chunk)` over every chunk of the plan, one planned slice per thread.
+template <typename Body>
+void for_each_chunk(const Plan& plan, const Body& body) {
+  const int num_threads = plan.num_threads();
+#pragma omp parallel for num_threads(num_threads) schedule(static, 1) if (num_threads > 1)
+  for (int t = 0; t < num_threads; ++t) {
+    for (std::int64_t c = plan.thread_begin[t]; c < plan.thread_begin[t + 1]; ++c) {
+      body(plan.chunks[static_cast<std::size_t>(c)]);
+    }
+  }
+}
+
+void check_direction(const Plan& plan, Direction direction) {
+  if (plan.direction != direction) {
+    detail::fail(ErrorCode::kInvalidArgument,
+                 direction == Direction::kForward
+                     ? "plan: made by plan_inverse, run with run_reroute"
+                     : "plan: made by plan_reroute, run with run_inverse");
+  }
+}
+
+std::vector<NamedView> named_inputs(const TensorView& tokens, const TensorView& counts,
+                                    const std::optional<TensorView>& scales,
+                                    const std::optional<TensorView>& weight) {
+  std::vector<NamedView> inputs = {{"tokens", &tokens}, {"expert_token_num_per_rank", &counts}};
+  if (scales) inputs.push_back({"per_token_scales", &*scales});
+  if (weight) inputs.push_back({"expert_topk_weight", &*weight});
+  return inputs;
+}
+
+}  // namespace
+
+void run_reroute(const Plan& plan, const RerouteInputs& inputs, const RerouteOutputs& outputs) {
+  check_direction(plan, Direction::kForward);
+  detail::check_run_arguments(
+      plan.input_specs,
+      named_inputs(inputs.tokens, inputs.expert_token_num_per_rank, inputs.per_token_scales,
+                   inputs.expert_topk_weight),
+      plan.output_specs,
+      {{"permute_tokens", &outputs.permute_tokens},
+       {"permute_per_token_scales", &outputs.permute_per_token_scales},
+       {"permute_token_idx", &outputs.permute_token_idx},
+       {"expert_token_num", &outputs.expert_token_num},
+       {"permute_topk_weight", &outputs.permute_topk_weight}});
+
+  TensorView permute_tokens = outputs.permute_tokens;
+  TensorView permute_scales = outputs.permute_per_token_scales;
+  TensorView permute_weight = outputs.permute_topk_weight;
+  const RowStream tokens = stream(&inputs.tokens, &permute_tokens, plan.token_row_bytes);
+  const RowStream scales =
+      inputs.per_token_scales
+          ? stream(&*inputs.per_token_scales, &permute_scales, plan.scale_row_bytes)
+          : stream(nullptr, &permute_scales, sizeof(float));
+  const RowStream weight = inputs.expert_topk_weight
+                               ? stream(&*inputs.expert_topk_weight, &permute_weight,
+                                        plan.weight_row_bytes)
+                               : RowStream{};
+  auto* index = static_cast<std::int32_t*>(outputs.permute_token_idx.data);
+  const bool gather = plan.attributes.idx_type == kIdxGather;
+
+  for_each_chunk(plan, [&](const Chunk& chunk) {
+    tokens.move(chunk);
+    scales.move(chunk);
+    weight.move(chunk);
+    const std::int64_t from = gather ? chunk.src_row : chunk.dst_row;
+    std::int32_t* to = index + (gather ? chunk.dst_row : chunk.src_row);
+    for (std::int64_t k = 0; k < chunk.num_rows; ++k) to[k] = static_cast<std::int32_t>(from + k);
+  });
+
+  void* expert_token_num = outputs.expert_token_num.data;
+  for (std::size_t e = 0; e < plan.expert_token_num.size(); ++e) {
+    if (outputs.expert_token_num.dtype() == DType::kInt32) {
+      static_cast<std::int32_t*>(expert_token_num)[e] =
+          static_cast<std::int32_t>(plan.expert_token_num[e]);
+    } else {
+      static_cast<std::int64_t*>(expert_token_num)[e] = plan.expert_token_num[e];
+    }
+  }
+}
+
+void run_inverse(const Plan& plan, const InverseInputs& inputs, const InverseOutputs& outputs) {
+  check_direction(plan, Direction::kInverse);
+  std::vector<NamedView> named_outputs = {{"restored_tokens", &outputs.restored_tokens}};
+  if (outputs.restored_per_token_scales) {
+    named_outputs.push_back({"restored_per_token_scales", &*outputs.restored_per_token_scales});
+  }
+  if (outputs.restored_topk_weight) {
+    named_outputs.push_back({"restored_topk_weight", &*outputs.restored_topk_weight});
+  }
+  if (outputs.restored_per_token_scales.has_value() != inputs.per_token_scales.has_value()) {
+    detail::fail(ErrorCode::kInvalidArgument,
+                 "restored_per_token_scales: must be given exactly when per_token_scales is");
+  }
+  if (outputs.restored_topk_weight.has_value() != inputs.expert_topk_weight.has_value()) {
+    detail::fail(ErrorCode::kInvalidArgument,
+                 "restored_topk_weight: must be given exactly when expert_topk_weight is");
+  }
+  detail::check_run_arguments(
+      plan.input_specs,
+      named_inputs(inputs.tokens, inputs.expert_token_num_per_rank, inputs.per_token_scales,
+                   inputs.expert_topk_weight),
+      plan.output_specs, named_outputs);
+
+  InverseOutputs out = outputs;
+  const RowStream tokens = stream(&inputs.tokens, &out.restored_tokens, plan.token_row_bytes);
+  const RowStream scales =
+      inputs.per_token_scales
+          ? stream(&*inputs.per_token_scales, &*out.restored_per_token_scales, plan.scale_row_bytes)
+          : RowStream{};
+  const RowStream weight = inputs.expert_topk_weight
+                               ? stream(&*inputs.expert_topk_weight, &*out.restored_topk_weight,
+                                        plan.weight_row_bytes)
+                               : RowStream{};
+  for_each_chunk(plan, [&](const Chunk& chunk) {
+    tokens.move(chunk);
+    scales.move(chunk);
+    weight.move(chunk);
+  });
+}
+
+void moe_re_routing(const RerouteInputs& inputs, const RerouteOutputs& outputs,
+                    const Attributes& attributes, int num_threads) {
+  run_reroute(plan_reroute(inputs, attributes, num_threads), inputs, outputs);
+}
+
+void moe_re_routing_inverse(const InverseInputs& inputs, const InverseOutputs& outputs,
+                            int num_threads) {
+  run_inverse(plan_inverse(inputs, num_threads), inputs, outputs);
+}
+
+}  // namespace moe_reroute
