@@ -1,0 +1,205 @@
+#include "workload.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+
+namespace moe_reroute::testing {
+namespace {
+
+constexpr std::byte kPoison{0xA5};
+
+std::size_t size(std::int64_t n) { return static_cast<std::size_t>(n); }
+
+std::string first_difference(const char* name, const std::vector<std::byte>& got,
+                             const std::byte* expected, std::size_t expected_bytes) {
+  if (got.size() != expected_bytes) {
+    return std::string(name) + ": " + std::to_string(got.size()) + " bytes, expected " +
+           std::to_string(expected_bytes);
+  }
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (got[i] != expected[i]) {
+      return std::string(name) + ": byte " + std::to_string(i) + " is " +
+             std::to_string(std::to_integer<int>(got[i])) + ", expected " +
+             std::to_string(std::to_integer<int>(expected[i]));
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
+std::vector<std::int64_t> random_counts(std::int64_t num_ranks, std::int64_t num_experts,
+                                        std::int64_t num_tokens, double skew,
+                                        double zero_fraction, std::uint64_t seed) {
+  const std::size_t num_blocks = size(num_ranks * num_experts);
+  std::mt19937_64 rng(seed);
+  std::vector<std::size_t> order(num_blocks);
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng);
+  std::vector<double> weights(num_blocks, 0.0);
+  const std::size_t num_zero = std::min(
+      num_blocks - 1, static_cast<std::size_t>(zero_fraction * static_cast<double>(num_blocks)));
+  for (std::size_t i = num_zero; i < num_blocks; ++i) {
+    weights[order[i]] = 1.0 / std::pow(1.0 + static_cast<double>(i - num_zero), skew);
+  }
+  std::discrete_distribution<std::size_t> pick(weights.begin(), weights.end());
+  std::vector<std::int64_t> counts(num_blocks, 0);
+  for (std::int64_t t = 0; t < num_tokens; ++t) ++counts[pick(rng)];
+  return counts;
+}
+
+void fill_random(void* data, std::size_t bytes, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  auto* out = static_cast<unsigned char*>(data);
+  std::size_t i = 0;
+  for (; i + 8 <= bytes; i += 8) {
+    const std::uint64_t word = rng();
+    std::memcpy(out + i, &word, 8);
+  }
+  const std::uint64_t word = rng();
+  std::memcpy(out + i, &word, bytes - i);
+}
+
+void parallel_copy(void* dst, const void* src, std::size_t bytes, int num_threads) {
+  const std::size_t threads = static_cast<std::size_t>(std::max(1, num_threads));
+#pragma omp parallel for num_threads(num_threads) schedule(static, 1) if (num_threads > 1)
+  for (std::size_t t = 0; t < threads; ++t) {
+    const std::size_t begin = bytes / threads * t + std::min(t, bytes % threads);
+    const std::size_t end = bytes / threads * (t + 1) + std::min(t + 1, bytes % threads);
+    std::memcpy(static_cast<std::byte*>(dst) + begin, static_cast<const std::byte*>(src) + begin,
+                end - begin);
+  }
+}
+
+void per_row_gather(std::byte* dst, const std::byte* src, const std::int32_t* index,
+                    std::int64_t num_rows, std::int64_t row_bytes) {
+  for (std::int64_t i = 0; i < num_rows; ++i) {
+    std::memcpy(dst + i * row_bytes, src + std::int64_t{index[i]} * row_bytes, size(row_bytes));
+  }
+}
+
+Workload::Workload(const WorkloadConfig& config) : config_(config) {
+  const std::int64_t a = config.num_tokens;
+  counts = random_counts(config.num_ranks, config.num_experts, a, config.skew,
+                         config.zero_fraction, config.seed);
+  const std::size_t count_bytes = size(dtype_bytes(config.count_dtype, 1));
+  counts_storage.resize(counts.size() * count_bytes);
+  for (std::size_t i = 0; i < counts.size(); ++i) {
+    const auto value32 = static_cast<std::int32_t>(counts[i]);
+    std::memcpy(counts_storage.data() + i * count_bytes,
+                count_bytes == 4 ? static_cast<const void*>(&value32) : &counts[i], count_bytes);
+  }
+  tokens.resize(size(dtype_bytes(config.token_dtype, a * config.hidden)));
+  fill_random(tokens.data(), tokens.size(), config.seed + 1);
+  if (config.has_scales) {
+    scale_spec_.dtype = config.scale_dtype;
+    scale_spec_.shape.dims[0] = a;
+    scale_spec_.shape.ndim = 1;
+    for (std::int64_t dim : config.scale_tail) scale_spec_.shape.dims[size(scale_spec_.shape.ndim++)] = dim;
+    scales.resize(size(scale_spec_.nbytes()));
+    fill_random(scales.data(), scales.size(), config.seed + 2);
+  }
+  if (config.has_weight) {
+    weight.resize(size(a * 4));
+    fill_random(weight.data(), weight.size(), config.seed + 3);
+  }
+  permute_tokens.resize(tokens.size());
+  permute_scales.resize(config.has_scales ? scales.size() : size(a * 4));
+  permute_weight.resize(weight.size());
+  token_idx.resize(size(a * 4));
+  expert_token_num.resize(size(config.num_experts) * count_bytes);
+  poison_outputs();
+}
+
+RerouteInputs Workload::inputs() const {
+  const WorkloadConfig& c = config_;
+  RerouteInputs in;
+  in.tokens = TensorView(tokens.data(), c.token_dtype, {c.num_tokens, c.hidden});
+  in.expert_token_num_per_rank =
+      TensorView(counts_storage.data(), c.count_dtype, {c.num_ranks, c.num_experts});
+  if (c.has_scales) in.per_token_scales = TensorView(scales.data(), scale_spec_.dtype, scale_spec_.shape);
+  if (c.has_weight) in.expert_topk_weight = TensorView(weight.data(), DType::kFloat32, {c.num_tokens, 1});
+  return in;
+}
+
+RerouteOutputs Workload::outputs() {
+  const WorkloadConfig& c = config_;
+  RerouteOutputs out;
+  out.permute_tokens = TensorView(permute_tokens.data(), c.token_dtype, {c.num_tokens, c.hidden});
+  out.permute_per_token_scales =
+      c.has_scales ? TensorView(permute_scales.data(), scale_spec_.dtype, scale_spec_.shape)
+                   : TensorView(permute_scales.data(), DType::kFloat32, {c.num_tokens});
+  out.permute_token_idx = TensorView(token_idx.data(), DType::kInt32, {c.num_tokens});
+  out.expert_token_num = TensorView(expert_token_num.data(), c.count_dtype, {c.num_experts});
+  out.permute_topk_weight = c.has_weight
+                                ? TensorView(permute_weight.data(), DType::kFloat32, {c.num_tokens, 1})
+                                : TensorView(nullptr, DType::kFloat32, {0});
+  return out;
+}
+
+ReferenceInputs Workload::reference_inputs() const {
+  ReferenceInputs in;
+  in.num_ranks = config_.num_ranks;
+  in.num_experts = config_.num_experts;
+  in.counts = counts;
+  in.tokens = tokens.data();
+  in.token_row_bytes = dtype_bytes(config_.token_dtype, config_.hidden);
+  if (config_.has_scales) {
+    in.scales = scales.data();
+    in.scale_row_bytes = config_.num_tokens > 0 ? scale_spec_.nbytes() / config_.num_tokens : 0;
+    if (config_.num_tokens == 0) {
+      TensorSpec one_row = scale_spec_;
+      one_row.shape.dims[0] = 1;
+      in.scale_row_bytes = one_row.nbytes();
+    }
+  }
+  if (config_.has_weight) in.weight = weight.data();
+  return in;
+}
+
+void Workload::poison_outputs() {
+  for (auto* buffer : {&permute_tokens, &permute_scales, &permute_weight, &token_idx, &expert_token_num}) {
+    std::fill(buffer->begin(), buffer->end(), kPoison);
+  }
+}
+
+std::int64_t Workload::bytes_moved() const {
+  const auto read = static_cast<std::int64_t>(tokens.size() + scales.size() + weight.size() +
+                                              counts_storage.size());
+  const auto written = static_cast<std::int64_t>(permute_tokens.size() + permute_scales.size() +
+                                                 permute_weight.size() + token_idx.size() +
+                                                 expert_token_num.size());
+  return read + written;
+}
+
+std::string Workload::compare(const ReferenceOutputs& expected) const {
+  std::vector<std::byte> expected_num(expert_token_num.size());
+  const std::size_t count_bytes = size(dtype_bytes(config_.count_dtype, 1));
+  for (std::size_t e = 0; e < expected.expert_token_num.size(); ++e) {
+    const auto value32 = static_cast<std::int32_t>(expected.expert_token_num[e]);
+    std::memcpy(expected_num.data() + e * count_bytes,
+                count_bytes == 4 ? static_cast<const void*>(&value32) : &expected.expert_token_num[e],
+                count_bytes);
+  }
+  for (const std::string& diff :
+       {first_difference("permute_tokens", permute_tokens, expected.tokens.data(), expected.tokens.size()),
+        first_difference("permute_per_token_scales", permute_scales, expected.scales.data(),
+                         expected.scales.size()),
+        first_difference("permute_topk_weight", permute_weight, expected.weight.data(),
+                         expected.weight.size()),
+        first_difference("permute_token_idx", token_idx,
+                         reinterpret_cast<const std::byte*>(expected.token_idx.data()),
+                         expected.token_idx.size() * 4),
+        first_difference("expert_token_num", expert_token_num, expected_num.data(),
+                         expected_num.size())}) {
+    if (!diff.empty()) return diff;
+  }
+  return "";
+}
+
+}  // namespace moe_reroute::testing
