@@ -1,0 +1,33 @@
+# Installs what building and testing moe_reroute needs, from Debian's packages
+# and PyPI only; quick when everything is already there. Sourced by test.sh
+# (everything) and bench.sh (the C++ side only).
+
+MOE_REROUTE_APT_PACKAGES=(
+  cmake ninja-build g++ clang libclang-rt-14-dev libomp-dev
+  libgtest-dev libbenchmark-dev libcli11-dev libopenmpi-dev openmpi-bin
+)
+# The versions tested; torch's default x86-64 wheel is a CUDA build that also runs on the CPU.
+MOE_REROUTE_PIP_PACKAGES=(
+  "numpy>=1.26" "ml_dtypes>=0.5" "pytest>=8" "nanobind==2.9.2" "scikit-build-core>=0.10"
+  "torch==2.9.1"
+)
+
+install_apt_deps() {
+  local missing=()
+  for package in "${MOE_REROUTE_APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "ok installed" || missing+=("$package")
+  done
+  if ((${#missing[@]})); then
+    echo "deps: apt-get install ${missing[*]}" >&2
+    local sudo=""
+    [[ $(id -u) -ne 0 ]] && sudo="sudo"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+  fi
+}
+
+install_python_deps() {
+  echo "deps: checking Python packages (torch is a large download the first time)" >&2
+  # A no-op of a few seconds when every pin is already met.
+  python3 -m pip install -q --root-user-action=ignore "${MOE_REROUTE_PIP_PACKAGES[@]}"
+}
