@@ -15,6 +15,8 @@ constexpr std::byte kPoison{0xA5};
 
 std::size_t size(std::int64_t n) { return static_cast<std::size_t>(n); }
 
+}  // namespace
+
 std::string first_difference(const char* name, const std::vector<std::byte>& got,
                              const std::byte* expected, std::size_t expected_bytes) {
   if (got.size() != expected_bytes) {
@@ -30,8 +32,6 @@ std::string first_difference(const char* name, const std::vector<std::byte>& got
   }
   return "";
 }
-
-}  // namespace
 
 std::vector<std::int64_t> random_counts(std::int64_t num_ranks, std::int64_t num_experts,
                                         std::int64_t num_tokens, double skew,

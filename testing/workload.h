@@ -20,6 +20,11 @@ std::vector<std::int64_t> random_counts(std::int64_t num_ranks, std::int64_t num
                                         std::int64_t num_tokens, double skew,
                                         double zero_fraction, std::uint64_t seed);
 
+/// "" when `got` holds exactly the `expected_bytes` bytes at `expected`, else
+/// "<name>: byte i is x, expected y" (or the size mismatch).
+std::string first_difference(const char* name, const std::vector<std::byte>& got,
+                             const std::byte* expected, std::size_t expected_bytes);
+
 /// Fills `bytes` with seeded random bytes (every bit pattern, NaNs included).
 void fill_random(void* data, std::size_t bytes, std::uint64_t seed);
 
