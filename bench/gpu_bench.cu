@@ -1,0 +1,2 @@
+#include "moe_reroute/cuda.h"
+int main() { return 0; }

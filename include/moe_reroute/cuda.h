@@ -1,0 +1,63 @@
+#pragma once
+
+/// The CUDA backend: the same operator on device memory, launched on the
+/// caller's stream with no host synchronisation, so it can be captured in a
+/// CUDA graph. Offsets are computed on the device from the device-resident
+/// counts; rules 4 and 5 of SPEC section 4 (counts non-negative and summing to
+/// A) are therefore not thrown but reported in a device status word, and when
+/// they fail no output but the status word is written.
+///
+/// Shapes, dtypes, attributes, output specs, overlap and alignment are
+/// validated on the host exactly as for the CPU backend, and throw Error
+/// before anything is launched. This header needs no CUDA header: the stream
+/// is passed as a `void*` holding a cudaStream_t.
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "moe_reroute/cuda_export.h"
+#include "moe_reroute/reroute.h"
+
+namespace moe_reroute::cuda {
+
+/// Bits of the device status word. 0: the counts were consistent and every
+/// output was written.
+enum StatusBit : std::int32_t {
+  kStatusNegativeCount = 1,     // some count[r][e] < 0 (rule 4)
+  kStatusCountSumMismatch = 2,  // the counts do not sum to A, or overflow (rule 5)
+};
+
+/// Where a call runs and what device memory it may use.
+struct DeviceContext {
+  void* stream = nullptr;           // a cudaStream_t; nullptr is the legacy default stream
+  std::int32_t* status = nullptr;   // device int32, 4-byte aligned, overwritten by every call
+  void* workspace = nullptr;        // device memory, 8-byte aligned
+  std::size_t workspace_bytes = 0;  // at least required_workspace_bytes(N, E)
+};
+
+/// Device workspace bytes a call with counts of shape [num_ranks, num_experts]
+/// needs (two int64 offset tables of N x E entries).
+MOE_REROUTE_CUDA_API std::size_t required_workspace_bytes(std::int64_t num_ranks,
+                                                          std::int64_t num_experts);
+
+/// The forward operator on device views (same specs as the CPU
+/// moe_reroute::moe_re_routing). Counts, permute_token_idx and expert_token_num
+/// must be aligned to their element size; tokens, scales and weights may have
+/// any alignment. Throws Error on the host before launching anything.
+MOE_REROUTE_CUDA_API void moe_re_routing(const RerouteInputs& inputs,
+                                         const RerouteOutputs& outputs,
+                                         const Attributes& attributes,
+                                         const DeviceContext& context);
+
+/// The inverse operator on device views (same specs as the CPU
+/// moe_reroute::moe_re_routing_inverse). Throws Error before launching anything.
+MOE_REROUTE_CUDA_API void moe_re_routing_inverse(const InverseInputs& inputs,
+                                                 const InverseOutputs& outputs,
+                                                 const DeviceContext& context);
+
+/// The message for a non-zero status word, naming the argument, e.g.
+/// "expert_token_num_per_rank: some count is negative"; "" for 0.
+MOE_REROUTE_CUDA_API std::string status_message(std::int32_t status);
+
+}  // namespace moe_reroute::cuda
