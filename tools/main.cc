@@ -1,0 +1,115 @@
+// moe-reroute: the operator, its inverse, a verified benchmark and an input
+// generator on the command line. Bad input of any kind exits with status 2 and
+// one `error:` line on stderr.
+
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <functional>
+#include <iostream>
+#include <string>
+
+#include "commands.h"
+#include "moe_reroute/error.h"
+#include "moe_reroute/version.h"
+
+namespace {
+
+using moe_reroute::tools::BenchOptions;
+using moe_reroute::tools::GenOptions;
+using moe_reroute::tools::RunOptions;
+using moe_reroute::tools::WorkloadOptions;
+
+constexpr int kBadInput = 2;
+
+void add_run_options(CLI::App& command, RunOptions& o, bool forward) {
+  command.add_option("--tokens", o.tokens, "tokens .npy, [A, H]")->required();
+  command.add_option("--counts", o.counts, "expert_token_num_per_rank .npy, [N, E] int32/int64")
+      ->required();
+  command.add_option("--scales", o.scales, "per_token_scales .npy");
+  command.add_option("--topk-weight", o.topk_weight, "expert_topk_weight .npy, [A, 1] float32");
+  command.add_option("--tokens-dtype", o.tokens_dtype,
+                     "logical dtype of the tokens storage (bfloat16 for <u2; FP8, hifloat8, "
+                     "FP4 for uint8)");
+  command.add_option("--scales-dtype", o.scales_dtype, "float8_e8m0 for uint8 scales");
+  if (forward) {
+    command.add_option("--idx-type", o.idx_type, "0 = gather index, 1 = scatter index");
+    command.add_option("--expert-token-num-type", o.expert_token_num_type, "0 = cumsum, 1 = count");
+  }
+  command.add_option("--threads", o.threads, "threads, 0 = all hardware threads")
+      ->check(CLI::NonNegativeNumber);
+  command.add_option("--out", o.out, "output directory (created if missing)")->required();
+}
+
+void add_workload_options(CLI::App& command, WorkloadOptions& w) {
+  command.add_option("--tokens", w.tokens, "A, tokens")->capture_default_str();
+  command.add_option("--hidden", w.hidden, "H, elements per token")->capture_default_str();
+  command.add_option("--ranks", w.ranks, "N, source ranks")->capture_default_str();
+  command.add_option("--experts", w.experts, "E, local experts")->capture_default_str();
+  command.add_option("--tokens-dtype", w.tokens_dtype, "token dtype name")->capture_default_str();
+  command.add_option("--counts-dtype", w.counts_dtype, "int32 or int64")->capture_default_str();
+  command.add_option("--scales", w.scales,
+                     "none, f32 ([A]), f32xS ([A, S]), e8m0 ([A, ceil(H/64), 2]), e8m0xS ([A, S])")
+      ->capture_default_str();
+  command.add_flag("--topk-weight,!--no-topk-weight", w.topk_weight, "give [A, 1] top-k weights");
+  command.add_option("--skew", w.skew, "count skew, 0 = uniform")->capture_default_str();
+  command.add_option("--seed", w.seed, "random seed")->capture_default_str();
+  command.add_option("--idx-type", w.idx_type, "0 = gather index, 1 = scatter index")
+      ->capture_default_str();
+  command.add_option("--expert-token-num-type", w.expert_token_num_type, "0 = cumsum, 1 = count")
+      ->capture_default_str();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"moe-reroute: MoE token re-routing (MoeReRoutingV2) on .npy files"};
+  app.set_version_flag("--version", MOE_REROUTE_VERSION_STRING);
+  app.require_subcommand(1);
+  std::function<int()> command;
+
+  RunOptions run_options;
+  CLI::App* run = app.add_subcommand("run", "reorder tokens from rank order to expert order");
+  add_run_options(*run, run_options, true);
+  run->callback([&] { command = [&] { return moe_reroute::tools::run_command(run_options); }; });
+
+  RunOptions inverse_options;
+  CLI::App* inverse = app.add_subcommand("inverse", "put expert-ordered rows back in rank order");
+  add_run_options(*inverse, inverse_options, false);
+  inverse->callback(
+      [&] { command = [&] { return moe_reroute::tools::inverse_command(inverse_options); }; });
+
+  BenchOptions bench_options;
+  CLI::App* bench = app.add_subcommand("bench", "verify, then time against a plain copy");
+  add_workload_options(*bench, bench_options.workload);
+  bench->add_option("--threads", bench_options.threads, "threads, 0 = all hardware threads")
+      ->check(CLI::NonNegativeNumber);
+  bench->add_option("--repeat", bench_options.repeat, "timed rounds")->capture_default_str();
+  bench->add_flag("--json", bench_options.json, "print a JSON object as the last line");
+  bench->callback(
+      [&] { command = [&] { return moe_reroute::tools::bench_command(bench_options); }; });
+
+  GenOptions gen_options;
+  gen_options.workload.tokens = 256;
+  CLI::App* gen = app.add_subcommand("gen", "write random valid inputs for `run`");
+  add_workload_options(*gen, gen_options.workload);
+  gen->add_option("--out", gen_options.out, "output directory (created if missing)")->required();
+  gen->callback([&] { command = [&] { return moe_reroute::tools::gen_command(gen_options); }; });
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) return app.exit(e);
+    std::cerr << "error: " << e.what() << "\n";
+    return kBadInput;
+  }
+  try {
+    return command();
+  } catch (const moe_reroute::Error& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return kBadInput;
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 1;
+  }
+}
