@@ -1,0 +1,108 @@
+"""Dtype sweeps and framework helpers shared by the Python tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from reference import POISON, random_bytes
+
+FRAMEWORKS = ("numpy", "torch")
+
+
+@dataclass(frozen=True)
+class TokenCase:
+    label: str
+    numpy_dtype: object  # None where NumPy has no storage for it
+    torch_dtype: object  # None where this torch lacks it
+    tokens_dtype: str | None
+    bits: int  # bits per logical element
+
+    def dtype(self, framework: str):
+        return self.numpy_dtype if framework == "numpy" else self.torch_dtype
+
+
+TOKEN_CASES = [
+    TokenCase("float16", np.float16, torch.float16, None, 16),
+    TokenCase("bfloat16", ml_dtypes.bfloat16, torch.bfloat16, None, 16),
+    TokenCase("int8", np.int8, torch.int8, None, 8),
+    TokenCase("float32", np.float32, torch.float32, None, 32),
+    TokenCase("uint8", np.uint8, torch.uint8, None, 8),
+    TokenCase("float8_e5m2", ml_dtypes.float8_e5m2, torch.float8_e5m2, None, 8),
+    TokenCase("float8_e4m3fn", ml_dtypes.float8_e4m3fn, torch.float8_e4m3fn, None, 8),
+    TokenCase("uint8-hifloat8", np.uint8, torch.uint8, "hifloat8", 8),
+    TokenCase("uint8-float4_e2m1", np.uint8, torch.uint8, "float4_e2m1", 4),
+    TokenCase("uint8-float4_e1m2", np.uint8, torch.uint8, "float4_e1m2", 4),
+    TokenCase("uint8-float8_e4m3fn", np.uint8, torch.uint8, "float8_e4m3fn", 8),
+    TokenCase("uint8-float8_e5m2", np.uint8, torch.uint8, "float8_e5m2", 8),
+    TokenCase("float4_e2m1fn_x2", None, getattr(torch, "float4_e2m1fn_x2", None), None, 4),
+]
+
+
+@dataclass(frozen=True)
+class ScaleCase:
+    label: str
+    numpy_dtype: object
+    torch_dtype: object
+    trailing: tuple  # dims past A
+    itemsize: int
+
+
+SCALE_CASES = [
+    None,
+    ScaleCase("float32[A]", np.float32, torch.float32, (), 4),
+    ScaleCase("float32[A,S]", np.float32, torch.float32, (3,), 4),
+    ScaleCase("e8m0[A,K,2]", ml_dtypes.float8_e8m0fnu, torch.float8_e8m0fnu, (4, 2), 1),
+    ScaleCase("uint8[A,S] as e8m0", np.uint8, torch.uint8, (5,), 1),
+]
+
+
+def from_bytes(framework: str, data: np.ndarray, dtype, shape):
+    """`data` (uint8 rows) reinterpreted as `dtype` of `shape`, in the framework."""
+    if framework == "numpy":
+        return data.view(dtype).reshape(shape)
+    return torch.from_numpy(data.reshape(-1)).view(dtype).reshape(shape)
+
+
+def random_array(framework, rng, dtype, shape, itemsize):
+    rows = shape[0]
+    row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * itemsize
+    return from_bytes(framework, random_bytes(rng, (rows, row_bytes)), dtype, shape)
+
+
+def poisoned(framework, dtype, shape, itemsize):
+    """An output of `dtype` and `shape` filled with POISON bytes."""
+    rows = shape[0]
+    row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * itemsize
+    return from_bytes(framework, np.full((rows, row_bytes), POISON, np.uint8), dtype, shape)
+
+
+def byte_rows(array) -> np.ndarray:
+    """[dim 0, bytes per row] uint8 copy of an array or tensor."""
+    if isinstance(array, torch.Tensor):
+        itemsize = array.element_size()
+        flat = array.detach().contiguous().view(torch.uint8).reshape(-1).numpy()
+    else:
+        itemsize = array.itemsize
+        flat = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
+    row_bytes = int(np.prod(array.shape[1:], dtype=np.int64)) * itemsize
+    return flat.reshape(array.shape[0], row_bytes).copy()
+
+
+def as_numpy(array) -> np.ndarray:
+    return array.numpy() if isinstance(array, torch.Tensor) else array
+
+
+def framework_dtype(framework: str, name: str):
+    return getattr(np if framework == "numpy" else torch, name)
+
+
+def counts_array(framework: str, counts: np.ndarray):
+    return counts if framework == "numpy" else torch.from_numpy(counts)
+
+
+def array_type(framework: str):
+    return np.ndarray if framework == "numpy" else torch.Tensor

@@ -1,0 +1,215 @@
+"""Forward and inverse against the naive reference: every token dtype, every
+scale layout, both index types, both count modes, zero and skewed counts,
+A = 0, through NumPy, moe_reroute's torch entry and torch.ops directly."""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+import moe_reroute
+import reference
+from cases import (FRAMEWORKS, SCALE_CASES, TOKEN_CASES, array_type, as_numpy, byte_rows,
+                   counts_array, framework_dtype, poisoned, random_array)
+
+NUM_TRIALS = 4
+
+
+def make_inputs(framework, case, rng, trial):
+    num_tokens = 0 if trial == 0 else None
+    counts = reference.random_counts(rng, num_tokens, np.int32 if trial % 2 else np.int64)
+    num_tokens = int(counts.sum())
+    hidden = 2 * int(rng.integers(1, 20)) if trial != 1 else 7168
+    element_bytes = max(1, case.bits // 8)  # FP4 storage: one byte per two elements
+    columns = hidden * case.bits // 8 // element_bytes
+    tokens = random_array(framework, rng, case.dtype(framework), (num_tokens, columns),
+                          element_bytes)
+    scale_case = SCALE_CASES[trial % len(SCALE_CASES) if trial else rng.integers(len(SCALE_CASES))]
+    scales = None
+    if scale_case is not None:
+        scales = random_array(framework, rng, scale_case.numpy_dtype if framework == "numpy"
+                              else scale_case.torch_dtype, (num_tokens, *scale_case.trailing),
+                              scale_case.itemsize)
+    weight_shape = [None, (num_tokens, 1), (num_tokens,)][trial % 3]
+    weight = None if weight_shape is None else random_array(
+        framework, rng, framework_dtype(framework, "float32"), weight_shape, 4)
+    return counts, tokens, scales, weight
+
+
+def poisoned_outputs(framework, tokens, counts, scales, weight):
+    """Outputs with the SPEC section 4 specs, every byte POISON."""
+    f32, i32 = framework_dtype(framework, "float32"), framework_dtype(framework, "int32")
+    num_tokens = tokens.shape[0]
+
+    def like(array):
+        itemsize = array.itemsize if framework == "numpy" else array.element_size()
+        return poisoned(framework, array.dtype, tuple(array.shape), itemsize)
+
+    return [
+        like(tokens),
+        like(scales) if scales is not None else poisoned(framework, f32, (num_tokens,), 4),
+        poisoned(framework, i32, (num_tokens,), 4),
+        like(counts[0]),
+        like(weight) if weight is not None else poisoned(framework, f32, (0,), 4),
+    ]
+
+
+def assert_matches_input(output, array):
+    assert output.dtype == array.dtype
+    assert tuple(output.shape) == tuple(array.shape)
+
+
+def check_forward(framework, result, tokens, counts, scales, weight, attributes):
+    expected = reference.reroute(
+        byte_rows(tokens), counts, None if scales is None else byte_rows(scales),
+        None if weight is None else byte_rows(weight), **attributes)
+    assert all(isinstance(x, array_type(framework)) for x in result)
+    f32 = framework_dtype(framework, "float32")
+    assert_matches_input(result[0], tokens)
+    np.testing.assert_array_equal(byte_rows(result[0]), expected[0])
+    if scales is not None:
+        assert_matches_input(result[1], scales)
+    else:
+        assert result[1].dtype == f32 and tuple(result[1].shape) == (tokens.shape[0],)
+    np.testing.assert_array_equal(byte_rows(result[1]), expected[1])
+    assert result[2].dtype == framework_dtype(framework, "int32")
+    np.testing.assert_array_equal(as_numpy(result[2]), expected[2])
+    assert as_numpy(result[3]).dtype == counts.dtype
+    np.testing.assert_array_equal(as_numpy(result[3]), expected[3])
+    if weight is not None:
+        assert_matches_input(result[4], weight)
+        np.testing.assert_array_equal(byte_rows(result[4]), expected[4])
+    else:
+        assert result[4].dtype == f32 and tuple(result[4].shape) == (0,)
+
+
+def call_forward(framework, form, tokens, counts, scales, weight, attributes, tokens_dtype):
+    counts = counts_array(framework, counts)
+    kwargs = dict(per_token_scales=scales, expert_topk_weight=weight,
+                  tokens_dtype=tokens_dtype, **attributes)
+    if form == "out":
+        out = poisoned_outputs(framework, tokens, counts, scales, weight)
+        result = moe_reroute.moe_re_routing(tokens, counts, **kwargs, out=out)
+        assert all(r is o for r, o in zip(result, out))
+        return result
+    if form == "torch.ops":
+        return torch.ops.moe_reroute.moe_re_routing(tokens, counts, **kwargs)
+    return moe_reroute.moe_re_routing(tokens, counts, **kwargs)
+
+
+def seeded(*labels) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32("/".join(labels).encode()))
+
+
+FORMS = {"numpy": ("allocate", "out"), "torch": ("allocate", "out", "torch.ops")}
+EXPRESSIBLE = [(framework, case) for framework in FRAMEWORKS for case in TOKEN_CASES
+               if case.dtype(framework) is not None]
+
+
+@pytest.mark.parametrize(("framework", "case", "form"),
+                         [(f, c, form) for f, c in EXPRESSIBLE for form in FORMS[f]],
+                         ids=lambda p: getattr(p, "label", p))
+def test_forward_matches_reference(framework, case, form):
+    rng = seeded(framework, case.label, form)
+    for trial in range(NUM_TRIALS):
+        counts, tokens, scales, weight = make_inputs(framework, case, rng, trial)
+        attributes = dict(expert_token_num_type=trial % 2, idx_type=(trial // 2) % 2)
+        result = call_forward(framework, form, tokens, counts, scales, weight, attributes,
+                              case.tokens_dtype)
+        check_forward(framework, result, tokens, counts, scales, weight, attributes)
+
+
+@pytest.mark.parametrize(("framework", "case"), EXPRESSIBLE, ids=lambda p: getattr(p, "label", p))
+def test_inverse_matches_reference_and_undoes_forward(framework, case):
+    rng = seeded(framework, case.label, "inverse")
+    for trial in range(NUM_TRIALS):
+        counts, tokens, scales, weight = make_inputs(framework, case, rng, trial)
+        counts_in = counts_array(framework, counts)
+        restored = moe_reroute.moe_re_routing_inverse(
+            tokens, counts_in, per_token_scales=scales, expert_topk_weight=weight,
+            tokens_dtype=case.tokens_dtype)
+        expected = reference.inverse(byte_rows(tokens), counts,
+                                     None if scales is None else byte_rows(scales),
+                                     None if weight is None else byte_rows(weight))
+        for output, array, want in zip(restored, (tokens, scales, weight), expected):
+            if array is None:
+                assert output is None
+                continue
+            assert isinstance(output, array_type(framework))
+            assert_matches_input(output, array)
+            np.testing.assert_array_equal(byte_rows(output), want)
+
+        permuted = moe_reroute.moe_re_routing(tokens, counts_in, per_token_scales=scales,
+                                              expert_topk_weight=weight,
+                                              tokens_dtype=case.tokens_dtype)
+        back = moe_reroute.moe_re_routing_inverse(
+            permuted[0], counts_in, per_token_scales=None if scales is None else permuted[1], expert_topk_weight=None if weight is None else permuted[4],
+            tokens_dtype=case.tokens_dtype)
+        np.testing.assert_array_equal(byte_rows(back[0]), byte_rows(tokens))
+        if scales is not None:
+            np.testing.assert_array_equal(byte_rows(back[1]), byte_rows(scales))
+        if weight is not None:
+            np.testing.assert_array_equal(byte_rows(back[2]), byte_rows(weight))
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("dtype", ["int32", "int64", "float16"])
+def test_inverse_takes_any_table_dtype(framework, dtype):
+    rng = np.random.default_rng(7)
+    counts = reference.random_counts(rng, 50)
+    itemsize = np.dtype(dtype).itemsize
+    tokens = random_array(framework, rng, framework_dtype(framework, dtype), (50, 6), itemsize)
+    restored, scales, weight = moe_reroute.moe_re_routing_inverse(
+        tokens, counts_array(framework, counts))
+    assert scales is None and weight is None
+    np.testing.assert_array_equal(byte_rows(restored),
+                                  reference.inverse(byte_rows(tokens), counts)[0])
+
+
+def test_inverse_torch_op_returns_empty_for_absent_outputs():
+    counts = torch.tensor([[2, 1]], dtype=torch.int32)
+    tokens = torch.arange(6, dtype=torch.float32).reshape(3, 2) + 1
+    restored = torch.ops.moe_reroute.moe_re_routing_inverse(tokens, counts)
+    assert torch.equal(restored[0], tokens[[0, 1, 2]])
+    for absent in restored[1:]:
+        assert absent.dtype == torch.float32 and absent.shape == (0,)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_noncontiguous_inputs_are_made_contiguous(framework):
+    rng = np.random.default_rng(3)
+    counts = reference.random_counts(rng, 40)
+    wide = random_array(framework, rng, framework_dtype(framework, "float16"), (40, 16), 2)
+    tokens = wide[:, ::2]
+    scales = random_array(framework, rng, framework_dtype(framework, "float32"), (40, 4), 4)
+    scales = scales.T.copy().T if framework == "numpy" else scales.t().contiguous().t()
+    result = moe_reroute.moe_re_routing(tokens, counts_array(framework, counts),
+                                        per_token_scales=scales)
+    check_forward(framework, result, tokens, counts, scales, None,
+                  dict(expert_token_num_type=1, idx_type=0))
+
+
+def test_spec_worked_example():
+    counts = np.array([[1, 0, 2], [2, 1, 0]], np.int32)
+    tokens = (np.arange(12, dtype=np.float16) + 1).reshape(6, 2)
+    permuted, _, gather, totals, _ = moe_reroute.moe_re_routing(tokens, counts)
+    np.testing.assert_array_equal(permuted, tokens[[0, 3, 4, 5, 1, 2]])
+    np.testing.assert_array_equal(gather, [0, 3, 4, 5, 1, 2])
+    np.testing.assert_array_equal(totals, [3, 1, 2])
+    _, _, scatter, cumsum, _ = moe_reroute.moe_re_routing(tokens, counts, idx_type=1,
+                                                          expert_token_num_type=0)
+    np.testing.assert_array_equal(scatter, [0, 4, 5, 1, 2, 3])
+    np.testing.assert_array_equal(cumsum, [3, 4, 6])
+
+
+def test_dtype_table_is_the_cores():
+    table = moe_reroute.dtype_table()
+    names = [row["name"] for row in table]
+    assert names[:3] == ["float16", "bfloat16", "int8"]
+    assert {"hifloat8", "float4_e2m1", "float4_e1m2", "float8_e8m0"} <= set(names)
+    for row in table:
+        if row["torch_name"] and hasattr(torch, row["torch_name"]):
+            assert isinstance(getattr(torch, row["torch_name"]), torch.dtype)
