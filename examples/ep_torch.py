@@ -1,0 +1,258 @@
+"""An expert-parallel MoE layer with torch.distributed (gloo, CPU).
+
+Dispatch all_to_all_single, moe_re_routing, one toy expert per local expert,
+moe_re_routing_inverse, the return all_to_all_single and the top-k sum at the
+source rank. Rank 0 checks the result bitwise against the same layer computed
+in one process, prints a per-stage time table and, last, one JSON line.
+
+    python examples/ep_torch.py --ranks 4          # torch.multiprocessing
+    torchrun --nproc-per-node 4 examples/ep_torch.py
+"""
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import moe_reroute
+
+STAGES = ("pack", "exchange_counts", "dispatch_alltoallv", "moe_re_routing", "experts",
+          "moe_re_routing_inverse", "return_alltoallv", "combine", "total")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, default=2, help="processes to spawn (ignored under torchrun)")
+    p.add_argument("--tokens-per-rank", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=256, help="int8 elements per dispatched token")
+    p.add_argument("--out-hidden", type=int, default=192, help="float32 elements per expert output row")
+    p.add_argument("--experts-per-rank", type=int, default=4)
+    p.add_argument("--topk", type=int, default=4)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--repeat", type=int, default=10)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    args = p.parse_args(argv)
+    for name in ("ranks", "tokens_per_rank", "hidden", "out_hidden", "experts_per_rank", "topk",
+                 "repeat", "threads"):
+        if getattr(args, name) < (0 if name == "tokens_per_rank" else 1):
+            p.error(f"--{name.replace('_', '-')}: {getattr(args, name)} is out of range")
+    return args
+
+
+def rank_input(args, num_ranks, rank):
+    """Rank `rank`'s seeded input: int8 tokens [T, H], float32 scales [T], and
+    its top-k global experts [T, K] (int64) with float32 weights [T, K].
+    Routing is skewed: expert g has popularity 1 / (1 + g)."""
+    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + rank)
+    t, k = args.tokens_per_rank, args.topk
+    num_experts = num_ranks * args.experts_per_rank
+    tokens = torch.randint(-127, 128, (t, args.hidden), dtype=torch.int8, generator=gen)
+    scales = 0.001 + 0.02 * torch.rand(t, generator=gen)
+    # Weighted sampling without replacement: the K smallest exponential keys.
+    popularity = torch.arange(1, num_experts + 1, dtype=torch.float32)
+    keys = -torch.log1p(-torch.rand(t, num_experts, generator=gen)) * popularity
+    topk_expert = torch.topk(keys, k, dim=1, largest=False).indices
+    weight = 0.05 + torch.rand(t, k, generator=gen)
+    return tokens, scales, topk_expert, weight / weight.sum(dim=1, keepdim=True)
+
+
+def expert_coefficients(args, num_ranks):
+    """Per global expert and output element: a, b in [-2, 2), multiples of 1/256."""
+    gen = torch.Generator().manual_seed(args.seed)
+    shape = (2, num_ranks * args.experts_per_rank, args.out_hidden)
+    ab = torch.randint(-512, 512, shape, generator=gen).to(torch.float32) / 256
+    return ab[0], ab[1]
+
+
+def expert_rows(args, a, b, tokens, scales, weight):
+    """weight * (a * (tokens[:, o % H] * scale) + b), as float32 [n, O]; a and b
+    are [O] (one expert) or [n, O] (one expert per row)."""
+    source = torch.arange(args.out_hidden) % args.hidden
+    x = tokens[:, source].to(torch.float32) * scales[:, None]
+    return weight * (a * x + b)
+
+
+def combine(rows_by_k):
+    """The top-k sum, k = 0, 1, ... in that order, so every caller rounds alike."""
+    out = rows_by_k[0].clone()
+    for rows in rows_by_k[1:]:
+        out += rows
+    return out
+
+
+def reference_output(args, num_ranks, rank, a, b):
+    """The layer output of `rank` in one process, all experts local: [T, O]."""
+    tokens, scales, topk_expert, weight = rank_input(args, num_ranks, rank)
+    return combine([expert_rows(args, a[topk_expert[:, k]], b[topk_expert[:, k]], tokens, scales,
+                                weight[:, k:k + 1]) for k in range(args.topk)])
+
+
+def run_layer(args, num_ranks, rank, layer_input, a, b):
+    """The layer on this rank: returns its output [T, O] and the stage times (ms)."""
+    tokens, scales, topk_expert, weight = layer_input
+    e_per_rank, topk = args.experts_per_rank, args.topk
+    times = {}
+    mark = start = time.perf_counter()
+
+    def lap(stage):
+        nonlocal mark
+        now = time.perf_counter()
+        times[stage] = (now - mark) * 1e3
+        mark = now
+
+    # Global expert g = rank * E + e, so a stable sort of the (token, k) pairs by
+    # g orders them by destination rank, then its local expert.
+    flat_expert = topk_expert.reshape(-1)
+    order = torch.argsort(flat_expert, stable=True)
+    send_row = torch.empty_like(order)
+    send_row[order] = torch.arange(order.numel())
+    send_count = torch.bincount(flat_expert, minlength=num_ranks * e_per_rank)
+    send_tokens = tokens[order // topk]
+    send_scales = scales[order // topk]
+    send_weights = weight.reshape(-1)[order].reshape(-1, 1)
+    lap("pack")
+
+    recv_count = torch.empty_like(send_count)
+    dist.all_to_all_single(recv_count, send_count)
+    recv_count = recv_count.reshape(num_ranks, e_per_rank)
+    lap("exchange_counts")
+
+    send_rows = send_count.reshape(num_ranks, e_per_rank).sum(dim=1).tolist()
+    recv_rows = recv_count.sum(dim=1).tolist()
+    num_recv = sum(recv_rows)
+    recv_tokens = torch.empty(num_recv, args.hidden, dtype=torch.int8)
+    recv_scales = torch.empty(num_recv, dtype=torch.float32)
+    recv_weights = torch.empty(num_recv, 1, dtype=torch.float32)
+    for recv, send in ((recv_tokens, send_tokens), (recv_scales, send_scales),
+                       (recv_weights, send_weights)):
+        dist.all_to_all_single(recv, send, output_split_sizes=recv_rows, input_split_sizes=send_rows)
+    lap("dispatch_alltoallv")
+
+    permute_tokens, permute_scales, _, expert_token_num, permute_weights = moe_reroute.moe_re_routing(
+        recv_tokens, recv_count, per_token_scales=recv_scales, expert_topk_weight=recv_weights)
+    lap("moe_re_routing")
+
+    # Each local expert's rows are contiguous now: expert_token_num are the group sizes.
+    groups = expert_token_num.tolist()
+    expert_out = torch.cat([
+        expert_rows(args, a[rank * e_per_rank + e], b[rank * e_per_rank + e], x, s, w)
+        for e, (x, s, w) in enumerate(zip(permute_tokens.split(groups), permute_scales.split(groups),
+                                          permute_weights.split(groups)))])
+    lap("experts")
+
+    restored, _, _ = moe_reroute.moe_re_routing_inverse(expert_out, recv_count)
+    lap("moe_re_routing_inverse")
+
+    returned = torch.empty(sum(send_rows), args.out_hidden, dtype=torch.float32)
+    dist.all_to_all_single(returned, restored, output_split_sizes=send_rows, input_split_sizes=recv_rows)
+    lap("return_alltoallv")
+
+    out = combine(returned[send_row].reshape(-1, topk, args.out_hidden).unbind(dim=1))
+    lap("combine")
+    times["total"] = (mark - start) * 1e3
+    return out, times
+
+
+def print_times(args, num_ranks, verified, max_times):
+    """max_times: [repeat, stages] ms, each the max over ranks."""
+    median = max_times.median(dim=0).values
+    print(f"{'stage (max over ranks)':<24} {'median_ms':>10} {'min_ms':>10} {'max_ms':>10}")
+    for s, name in enumerate(STAGES):
+        column = max_times[:, s]
+        print(f"{name:<24} {median[s].item():10.3f} {column.min().item():10.3f} {column.max().item():10.3f}")
+    print(json.dumps({"ranks": num_ranks, "verified": verified, "tokens_per_rank": args.tokens_per_rank,
+                      "times_ms": {name: round(median[s].item(), 4) for s, name in enumerate(STAGES)}}),
+          flush=True)
+
+
+def worker(rank, num_ranks, args):
+    """One rank of the layer; returns whether rank 0 verified the output."""
+    torch.set_num_threads(args.threads)
+    a, b = expert_coefficients(args, num_ranks)
+    layer_input = rank_input(args, num_ranks, rank)
+    times = torch.empty(args.repeat, len(STAGES), dtype=torch.float64)
+    for r in range(args.repeat):
+        dist.barrier()
+        out, stage_ms = run_layer(args, num_ranks, rank, layer_input, a, b)
+        times[r] = torch.tensor([stage_ms[name] for name in STAGES], dtype=torch.float64)
+    dist.reduce(times, dst=0, op=dist.ReduceOp.MAX)
+
+    gathered = [torch.empty_like(out) for _ in range(num_ranks)] if rank == 0 else None
+    dist.gather(out, gathered, dst=0)
+    verified = torch.zeros(1, dtype=torch.int32)
+    if rank == 0:
+        ok = True
+        for r, got in enumerate(gathered):
+            expect = reference_output(args, num_ranks, r, a, b)
+            mismatches = (got.view(torch.int32) != expect.view(torch.int32)).sum().item()
+            if mismatches:
+                print(f"rank {r}: {mismatches} of {got.numel()} output values differ from the "
+                      "single-process layer", file=sys.stderr)
+                ok = False
+        verified[0] = int(ok)
+        print_times(args, num_ranks, ok, times)
+    dist.broadcast(verified, src=0)
+    return bool(verified.item())
+
+
+def spawned(rank, num_ranks, port, args):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=num_ranks)
+    try:
+        verified = worker(rank, num_ranks, args)
+    finally:
+        dist.destroy_process_group()
+    if not verified:
+        sys.exit(1)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def warm_up_operators():
+    """The first call of a torch custom operator imports torch's compiler stack
+    (seconds); making it once in the parent spares every forked rank."""
+    counts = torch.tensor([[1, 1]])
+    rows = torch.ones(2, 1, dtype=torch.int8)
+    moe_reroute.moe_re_routing(rows, counts)
+    moe_reroute.moe_re_routing_inverse(rows, counts)
+
+
+def check_topk(args, num_ranks):
+    if args.topk > num_ranks * args.experts_per_rank:
+        sys.exit(f"ep_torch.py: --topk: {args.topk} exceeds the {num_ranks * args.experts_per_rank} "
+                 f"experts of {num_ranks} ranks x --experts-per-rank {args.experts_per_rank}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        dist.init_process_group("gloo")
+        check_topk(args, dist.get_world_size())
+        try:
+            verified = worker(dist.get_rank(), dist.get_world_size(), args)
+        finally:
+            dist.destroy_process_group()
+        return 0 if verified else 1
+    check_topk(args, args.ranks)
+    warm_up_operators()
+    try:
+        # fork: the children share the parent's imported torch instead of importing it again.
+        mp.start_processes(spawned, args=(args.ranks, free_port(), args), nprocs=args.ranks,
+                           start_method="fork")
+    except mp.ProcessExitedException:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
