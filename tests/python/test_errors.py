@@ -1,0 +1,163 @@
+"""Every bad input raises ValueError (shape, value) or TypeError (dtype) with a
+message naming the argument, through NumPy and torch, and writes nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import moe_reroute
+from reference import POISON
+
+A = 6
+COUNTS = np.array([[1, 0, 2], [2, 1, 0]], np.int32)
+
+
+def good():
+    rng = np.random.default_rng(0)
+    return dict(tokens=rng.standard_normal((A, 4)).astype(np.float16),
+                expert_token_num_per_rank=COUNTS.copy(),
+                per_token_scales=rng.random(A).astype(np.float32),
+                expert_topk_weight=rng.random((A, 1)).astype(np.float32))
+
+
+# (label, changes to the good arguments, error type, message pattern)
+BAD_INPUTS = [
+    ("tokens 1-D", dict(tokens=np.ones(A, np.float16)), ValueError, "tokens: must be 2-D"),
+    ("tokens H=0", dict(tokens=np.ones((A, 0), np.float16)), ValueError, "tokens: H must be >= 1"),
+    ("tokens float64", dict(tokens=np.ones((A, 4))), TypeError, "tokens: dtype float64"),
+    ("tokens int32", dict(tokens=np.ones((A, 4), np.int32)), TypeError,
+     "tokens: dtype int32 is not a token dtype"),
+    ("counts 1-D", dict(expert_token_num_per_rank=np.array([6], np.int32)), ValueError,
+     "expert_token_num_per_rank: must be 2-D"),
+    ("counts float", dict(expert_token_num_per_rank=COUNTS.astype(np.float32)), TypeError,
+     "expert_token_num_per_rank: dtype float32 must be int32 or int64"),
+    ("counts negative", dict(expert_token_num_per_rank=np.array([[7, -1, 0]], np.int64)),
+     ValueError, r"expert_token_num_per_rank: count\[0\]\[1\] = -1 is negative"),
+    ("counts sum", dict(expert_token_num_per_rank=np.array([[1, 2]], np.int32)), ValueError,
+     "expert_token_num_per_rank: counts sum to 3 but tokens has 6 rows"),
+    ("counts overflow", dict(expert_token_num_per_rank=np.array([[2**62, 2**62, 2**62]])),
+     ValueError, "expert_token_num_per_rank: counts overflow int64"),
+    ("scales rows", dict(per_token_scales=np.ones(5, np.float32)), ValueError,
+     "per_token_scales: dim 0 is 5 but tokens has 6 rows"),
+    ("scales int8", dict(per_token_scales=np.ones(A, np.int8)), TypeError,
+     "per_token_scales: dtype int8 must be float32 or float8_e8m0"),
+    ("scales e8m0 1-D", dict(per_token_scales=np.ones(A, np.uint8)), ValueError,
+     "per_token_scales: float8_e8m0 scales must be"),
+    ("weight int32", dict(expert_topk_weight=np.ones(A, np.int32)), TypeError,
+     "expert_topk_weight: dtype int32 must be float32"),
+    ("weight dim 1", dict(expert_topk_weight=np.ones((A, 2), np.float32)), ValueError,
+     "expert_topk_weight: dim 1 must be 1"),
+    ("weight rows", dict(expert_topk_weight=np.ones((4, 1), np.float32)), ValueError,
+     "expert_topk_weight: dim 0 is 4"),
+    ("expert_token_num_type", dict(expert_token_num_type=2), ValueError,
+     "expert_token_num_type: must be 0"),
+    ("idx_type", dict(idx_type=-1), ValueError, "idx_type: must be 0"),
+    ("tokens_dtype unknown", dict(tokens=np.ones((A, 4), np.uint8), tokens_dtype="fp8"),
+     TypeError, "tokens_dtype: unknown dtype 'fp8'"),
+    ("tokens_dtype on float16", dict(tokens_dtype="hifloat8"), TypeError,
+     "tokens_dtype: 'hifloat8' names the dtype of uint8 storage, but tokens is float16"),
+    ("tokens_dtype too wide", dict(tokens=np.ones((A, 4), np.uint8), tokens_dtype="bfloat16"),
+     TypeError, "tokens_dtype: 'bfloat16' .16 bits. does not fit uint8 storage of tokens"),
+]
+
+
+def as_torch(arguments: dict) -> dict:
+    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
+            for k, v in arguments.items()}
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+@pytest.mark.parametrize(("label", "changes", "error", "message"), BAD_INPUTS,
+                         ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_raises_naming_the_argument(framework, label, changes, error, message):
+    arguments = good() | changes
+    if framework == "torch":
+        arguments = as_torch(arguments)
+    tokens = arguments.pop("tokens")
+    counts = arguments.pop("expert_token_num_per_rank")
+    with pytest.raises(error, match=message):
+        moe_reroute.moe_re_routing(tokens, counts, **arguments)
+    inverse_arguments = {k: v for k, v in arguments.items()
+                         if k in ("per_token_scales", "expert_topk_weight", "tokens_dtype")}
+    if label not in ("tokens int32", "expert_token_num_type", "idx_type"):
+        with pytest.raises(error, match=message):
+            moe_reroute.moe_re_routing_inverse(tokens, counts, **inverse_arguments)
+
+
+def poisoned_outputs(framework):
+    arguments = good()
+    outputs = moe_reroute.moe_re_routing(arguments.pop("tokens"),
+                                         arguments.pop("expert_token_num_per_rank"), **arguments)
+    outputs = [np.full_like(o, 0).view(np.uint8) for o in outputs]
+    for o in outputs:
+        o.fill(POISON)
+    outputs = [o.view(d) for o, d in zip(outputs, (np.float16, np.float32, np.int32, np.int32,
+                                                    np.float32))]
+    return outputs if framework == "numpy" else [torch.from_numpy(o) for o in outputs]
+
+
+def column_major_copy(array):
+    if isinstance(array, torch.Tensor):
+        return array.t().contiguous().t()
+    return array.T.copy().T
+
+
+# (label, replace output i with f(outputs), error, message)
+BAD_OUTPUTS = [
+    ("shape", 0, lambda o: o[0][:5], ValueError, r"permute_tokens: must be float16\[6, 4\]"),
+    ("dtype", 2, lambda o: o[1] * 1, ValueError,
+     r"permute_token_idx: must be int32\[6\], got float32\[6\]"),
+    ("non-contiguous", 0, lambda o: column_major_copy(o[0]), ValueError,
+     "permute_tokens: must be contiguous"),
+    ("overlap", 4, None, ValueError, "permute_topk_weight: overlaps input expert_topk_weight"),
+]
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+@pytest.mark.parametrize(("label", "index", "change", "error", "message"), BAD_OUTPUTS,
+                         ids=[b[0] for b in BAD_OUTPUTS])
+def test_bad_out_raises_and_writes_nothing(framework, label, index, change, error, message):
+    arguments = good()
+    if framework == "torch":
+        arguments = as_torch(arguments)
+    outputs = poisoned_outputs(framework)
+    outputs[index] = arguments["expert_topk_weight"] if change is None else change(outputs)
+    with pytest.raises(error, match=message):
+        moe_reroute.moe_re_routing(arguments.pop("tokens"),
+                                   arguments.pop("expert_token_num_per_rank"), **arguments,
+                                   out=outputs)
+    for i, output in enumerate(outputs):
+        if i != index:
+            data = output.numpy() if isinstance(output, torch.Tensor) else output
+            assert (data.view(np.uint8) == POISON).all()
+
+
+def test_read_only_numpy_out_is_refused():
+    arguments = good()
+    outputs = poisoned_outputs("numpy")
+    outputs[0].flags.writeable = False
+    with pytest.raises(TypeError):
+        moe_reroute.moe_re_routing(arguments.pop("tokens"),
+                                   arguments.pop("expert_token_num_per_rank"), **arguments,
+                                   out=outputs)
+
+
+def test_non_array_input_is_refused():
+    with pytest.raises(TypeError, match="expert_token_num_per_rank: expected a numpy.ndarray"):
+        moe_reroute.moe_re_routing(np.ones((A, 4), np.float16), [[6]])
+
+
+def test_unpacked_fp4_numpy_is_refused():
+    import ml_dtypes
+    with pytest.raises(TypeError, match="tokens: dtype float4_e2m1fn is not supported"):
+        moe_reroute.moe_re_routing(np.ones((A, 4), ml_dtypes.float4_e2m1fn), COUNTS)
+
+
+def test_fp8_tensor_with_other_tokens_dtype_is_refused():
+    tokens = torch.ones(A, 4).to(torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="tokens_dtype: 'hifloat8' names the dtype of uint8 "
+                                        "storage, but tokens is float8_e4m3fn"):
+        moe_reroute.moe_re_routing(tokens, torch.from_numpy(COUNTS), tokens_dtype="hifloat8")
+
