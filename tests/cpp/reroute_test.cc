@@ -18,10 +18,6 @@ using ::testing::Range;
 using ::testing::Values;
 using ::testing::ValuesIn;
 
-std::string direction_name(Direction direction) {
-  return direction == Direction::kForward ? "forward" : "inverse";
-}
-
 std::uint64_t seed_of(DType dtype, std::size_t variant) {
   return (static_cast<std::uint64_t>(dtype) + 1) * 1000 + variant * 37;
 }
@@ -155,9 +151,7 @@ TEST_P(RoundTrip, InverseOfForwardRestoresEveryInputByte) {
 }
 
 INSTANTIATE_TEST_SUITE_P(EveryTokenDType, RoundTrip, ValuesIn(token_dtypes()),
-                         [](const ::testing::TestParamInfo<DType>& info) {
-                           return std::string(dtype_name(info.param));
-                         });
+                         DTypeParamName());
 
 }  // namespace
 }  // namespace moe_reroute::test

@@ -43,6 +43,10 @@ std::vector<DType> all_dtypes() {
   return dtypes;
 }
 
+std::string direction_name(Direction direction) {
+  return direction == Direction::kForward ? "forward" : "inverse";
+}
+
 std::string scale_form_name(ScaleForm form) {
   switch (form) {
     case ScaleForm::kNone:
@@ -240,6 +244,26 @@ std::string inverse_outputs_difference(const testing::Workload& workload) {
     if (!diff.empty()) return diff;
   }
   return "";
+}
+
+std::string refusal_difference(const std::function<void()>& call, ErrorCode code,
+                               const std::vector<std::string>& parts) {
+  try {
+    call();
+  } catch (const Error& error) {
+    const std::string message = error.what();
+    if (error.code() != code) {
+      return std::string("code ") + error_code_name(error.code()) + ", expected " +
+             error_code_name(code) + ": " + message;
+    }
+    for (const std::string& part : parts) {
+      if (message.find(part) == std::string::npos) {
+        return "message \"" + message + "\" lacks \"" + part + "\"";
+      }
+    }
+    return "";
+  }
+  return "no error thrown";
 }
 
 }  // namespace moe_reroute::test

@@ -5,6 +5,7 @@
 // reference.
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -18,6 +19,17 @@ std::vector<DType> token_dtypes();
 
 /// Every dtype of the table (the inverse moves rows of any dtype).
 std::vector<DType> all_dtypes();
+
+/// "forward" or "inverse".
+std::string direction_name(Direction direction);
+
+/// Names a test parameterized by a DType after the dtype (gtest's name generator).
+struct DTypeParamName {
+  template <typename ParamInfo>
+  std::string operator()(const ParamInfo& info) const {
+    return std::string(dtype_name(info.param));
+  }
+};
 
 enum class ScaleForm { kNone, kFloat32A, kFloat32AS, kE8m0AK2, kE8m0AS };
 inline constexpr ScaleForm kScaleForms[] = {ScaleForm::kNone, ScaleForm::kFloat32A,
@@ -100,5 +112,11 @@ std::string difference(Direction direction, const Case& c, int num_threads);
 
 /// "" when the workload's restored rows equal reference_inverse byte for byte.
 std::string inverse_outputs_difference(const testing::Workload& workload);
+
+/// Runs `call`; "" when it throws Error with `code` and a message holding
+/// every one of `parts` (the argument's name, the offending value), else
+/// what happened instead.
+std::string refusal_difference(const std::function<void()>& call, ErrorCode code,
+                               const std::vector<std::string>& parts);
 
 }  // namespace moe_reroute::test

@@ -1,0 +1,133 @@
+// Shape and dtype inference from views with null data: SPEC section 5's table
+// (the reference library's own cases), the empty optional outputs and the
+// index limit, which must be refused by shape alone.
+
+#include <gtest/gtest.h>
+
+#include <optional>
+#include <vector>
+
+#include "sweep.h"
+
+namespace moe_reroute::test {
+namespace {
+
+TensorView meta(DType dtype, Shape shape) { return TensorView(nullptr, dtype, shape); }
+
+struct InferenceRow {
+  std::string name;
+  RerouteInputs inputs;
+  std::optional<RerouteOutputSpecs> expected;  // nullopt: refused with code and parts
+  ErrorCode code = ErrorCode::kInvalidArgument;
+  std::vector<std::string> parts;
+};
+
+std::vector<InferenceRow> section5_rows() {
+  const TensorView tokens = meta(DType::kFloat16, {256, 7168});
+  const TensorView counts = meta(DType::kInt32, {16, 16});
+  return {
+      {"f16_256x7168_scales_256_weight_256x1",
+       {tokens, counts, meta(DType::kFloat32, {256}), meta(DType::kFloat32, {256, 1})},
+       RerouteOutputSpecs{{DType::kFloat16, {256, 7168}},
+                          {DType::kFloat32, {256}},
+                          {DType::kInt32, {256}},
+                          {DType::kInt32, {16}},
+                          {DType::kFloat32, {256, 1}}}},
+      {"bf16_36x385_counts_3x12_scales_36x1_weight_36x1",
+       {meta(DType::kBFloat16, {36, 385}), meta(DType::kInt64, {3, 12}),
+        meta(DType::kFloat32, {36, 1}), meta(DType::kFloat32, {36, 1})},
+       RerouteOutputSpecs{{DType::kBFloat16, {36, 385}},
+                          {DType::kFloat32, {36, 1}},
+                          {DType::kInt32, {36}},
+                          {DType::kInt64, {12}},
+                          {DType::kFloat32, {36, 1}}}},
+      {"tokens_1d_refused", {meta(DType::kFloat16, {256}), counts}, std::nullopt,
+       ErrorCode::kInvalidArgument, {"tokens", "2-D", "[256]"}},
+      {"counts_1d_refused", {tokens, meta(DType::kInt32, {16})}, std::nullopt,
+       ErrorCode::kInvalidArgument, {"expert_token_num_per_rank", "2-D", "[16]"}},
+      {"weight_int32_refused", {tokens, counts, std::nullopt, meta(DType::kInt32, {256})},
+       std::nullopt, ErrorCode::kUnsupported, {"expert_topk_weight", "dtype int32"}},
+      {"weight_dim1_2_refused", {tokens, counts, std::nullopt, meta(DType::kFloat32, {256, 2})},
+       std::nullopt, ErrorCode::kInvalidArgument, {"expert_topk_weight", "dim 1", "got 2"}},
+  };
+}
+
+class Section5Table : public ::testing::TestWithParam<InferenceRow> {};
+
+TEST_P(Section5Table, InfersTheListedOutputs) {
+  const InferenceRow& row = GetParam();
+  if (row.expected) {
+    EXPECT_EQ(infer_reroute(row.inputs), *row.expected);
+  } else {
+    EXPECT_EQ(refusal_difference([&] { infer_reroute(row.inputs); }, row.code, row.parts), "");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(ReferenceLibraryCases, Section5Table, ::testing::ValuesIn(section5_rows()),
+                         [](const ::testing::TestParamInfo<InferenceRow>& info) {
+                           return info.param.name;
+                         });
+
+class AbsentOptionals : public ::testing::TestWithParam<DType> {};
+
+// "any tokens, any counts, absent topk: last output empty"; absent scales: [A] float32.
+TEST_P(AbsentOptionals, GiveEmptyWeightAndFloat32ScalesOfA) {
+  for (DType count_dtype : kCountDTypes) {
+    const RerouteOutputSpecs specs =
+        infer_reroute({meta(GetParam(), {36, 64}), meta(count_dtype, {3, 12})});
+    EXPECT_EQ(specs.permute_tokens, (TensorSpec{GetParam(), {36, 64}}));
+    EXPECT_EQ(specs.permute_per_token_scales, (TensorSpec{DType::kFloat32, {36}}));
+    EXPECT_EQ(specs.permute_token_idx, (TensorSpec{DType::kInt32, {36}}));
+    EXPECT_EQ(specs.expert_token_num, (TensorSpec{count_dtype, {12}}));
+    EXPECT_EQ(specs.permute_topk_weight, (TensorSpec{DType::kFloat32, {0}}));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(EveryTokenDType, AbsentOptionals, ::testing::ValuesIn(token_dtypes()),
+                         DTypeParamName());
+
+class InverseInference : public ::testing::TestWithParam<DType> {};
+
+TEST_P(InverseInference, RestoresTheInputSpecsAndOnlyTheGivenOptionals) {
+  const TensorView tokens = meta(GetParam(), {40, 128});
+  const TensorView counts = meta(DType::kInt64, {4, 2});
+  const InverseOutputSpecs bare = infer_inverse({tokens, counts});
+  EXPECT_EQ(bare.restored_tokens, tokens.spec);
+  EXPECT_FALSE(bare.restored_per_token_scales.has_value());
+  EXPECT_FALSE(bare.restored_topk_weight.has_value());
+  const TensorView scales = meta(DType::kFloat8E8M0, {40, 2, 2});
+  const TensorView weight = meta(DType::kFloat32, {40});
+  const InverseOutputSpecs full = infer_inverse({tokens, counts, scales, weight});
+  EXPECT_EQ(full.restored_per_token_scales, scales.spec);
+  EXPECT_EQ(full.restored_topk_weight, weight.spec);
+}
+
+INSTANTIATE_TEST_SUITE_P(EveryDType, InverseInference, ::testing::ValuesIn(all_dtypes()),
+                         DTypeParamName());
+
+constexpr std::int64_t kIndexLimit = 2147483647;
+
+TEST(IndexLimit, InferenceRefusesMoreThanInt32MaxTokensByShapeAlone) {
+  const RerouteInputs inputs = {meta(DType::kInt8, {kIndexLimit + 1, 1}),
+                                meta(DType::kInt32, {1, 1})};
+  EXPECT_EQ(refusal_difference([&] { infer_reroute(inputs); }, ErrorCode::kOutOfRange,
+                               {"tokens", "2147483648", "2147483647"}),
+            "");
+  EXPECT_EQ(refusal_difference([&] { plan_reroute(inputs); }, ErrorCode::kOutOfRange,
+                               {"tokens", "2147483648"}),
+            "");
+}
+
+TEST(IndexLimit, InferenceAcceptsExactlyInt32MaxTokens) {
+  const RerouteOutputSpecs specs =
+      infer_reroute({meta(DType::kInt8, {kIndexLimit, 1}), meta(DType::kInt32, {1, 1})});
+  EXPECT_EQ(specs.permute_token_idx, (TensorSpec{DType::kInt32, {kIndexLimit}}));
+}
+
+TEST(IndexLimit, InverseWritesNoIndexSoTakesMoreRows) {
+  const TensorView tokens = meta(DType::kInt8, {kIndexLimit + 1, 1});
+  EXPECT_EQ(infer_inverse({tokens, meta(DType::kInt32, {1, 1})}).restored_tokens, tokens.spec);
+}
+
+}  // namespace
+}  // namespace moe_reroute::test
