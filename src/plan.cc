@@ -270,12 +270,15 @@ void finish_plan(Plan& plan, const std::vector<std::int64_t>& counts, int num_th
 namespace detail {
 
 std::int64_t checked_nbytes(const TensorSpec& spec, const char* name) {
+  // The product of the non-zero dims: a zero dim (A = 0) must not hide a row
+  // whose bytes overflow, since row bytes are computed on their own.
   std::int64_t elements = 1;
   for (int d = 0; d < spec.shape.ndim; ++d) {
     if (spec.shape[d] < 0) {
       fail(ErrorCode::kInvalidArgument,
            std::string(name) + ": negative dim in " + spec.shape.to_string());
     }
+    if (spec.shape[d] == 0) continue;
     if (__builtin_mul_overflow(elements, spec.shape[d], &elements) ||
         elements > std::numeric_limits<std::int64_t>::max() / 64) {
       fail(ErrorCode::kOutOfRange,

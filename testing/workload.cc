@@ -61,8 +61,10 @@ void fill_random(void* data, std::size_t bytes, std::uint64_t seed) {
     const std::uint64_t word = rng();
     std::memcpy(out + i, &word, 8);
   }
-  const std::uint64_t word = rng();
-  std::memcpy(out + i, &word, bytes - i);
+  if (i < bytes) {  // memcpy may not be given a null pointer, even for 0 bytes
+    const std::uint64_t word = rng();
+    std::memcpy(out + i, &word, bytes - i);
+  }
 }
 
 void parallel_copy(void* dst, const void* src, std::size_t bytes, int num_threads) {

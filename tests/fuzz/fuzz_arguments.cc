@@ -1,0 +1,290 @@
+#include "fuzz_arguments.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+
+#include "workload.h"
+
+namespace moe_reroute::fuzz {
+namespace {
+
+constexpr std::byte kPoison{0xA5};
+constexpr std::int64_t kMaxCountBlocks = 256;
+constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
+constexpr std::int64_t kInt64Max = std::numeric_limits<std::int64_t>::max();
+constexpr std::int64_t kInt64Min = std::numeric_limits<std::int64_t>::min();
+
+// Sizes at the edges of int32, int64 and byte arithmetic.
+constexpr std::int64_t kEdgeValues[] = {
+    -1, -2, -kInt32Max - 1, kInt32Max, kInt32Max + 1, std::int64_t{1} << 32,
+    std::int64_t{1} << 40, std::int64_t{1} << 57, (std::int64_t{1} << 57) + 1,
+    std::int64_t{1} << 62, kInt64Max, kInt64Min};
+
+// One in 16 draws an edge value; the rest a small size (exhausted input: 0).
+std::int64_t draw_size(FuzzedDataProvider& provider, std::int64_t small_max) {
+  if (provider.ConsumeIntegralInRange<int>(0, 15) == 15) return provider.PickValueInArray(kEdgeValues);
+  return provider.ConsumeIntegralInRange<std::int64_t>(0, small_max);
+}
+
+// Mostly `usual`; one in 16 any table dtype, one in 64 an enum value past the table.
+DType draw_dtype(FuzzedDataProvider& provider, std::initializer_list<DType> usual) {
+  const int pick = provider.ConsumeIntegralInRange<int>(0, 63);
+  if (pick == 63) return static_cast<DType>(provider.ConsumeIntegralInRange<int>(13, 255));
+  if (pick >= 60) {
+    return static_cast<DType>(
+        provider.ConsumeIntegralInRange<std::size_t>(0, dtype_table().size() - 1));
+  }
+  return *(usual.begin() + pick % static_cast<int>(usual.size()));
+}
+
+int draw_attribute(FuzzedDataProvider& provider) {
+  if (provider.ConsumeIntegralInRange<int>(0, 15) == 15) return provider.ConsumeIntegral<int>();
+  return provider.ConsumeIntegralInRange<int>(0, 1);
+}
+
+// Usually `usual` dims; one in 8 any number up to kMaxDims.
+int draw_ndim(FuzzedDataProvider& provider, int usual) {
+  if (provider.ConsumeIntegralInRange<int>(0, 7) == 7) {
+    return provider.ConsumeIntegralInRange<int>(0, kMaxDims);
+  }
+  return usual;
+}
+
+// dim 0 is `rows` (usually A), the rest drawn with `small_max`.
+Shape draw_shape(FuzzedDataProvider& provider, int ndim, std::int64_t rows,
+                 std::int64_t small_max) {
+  Shape shape;
+  shape.ndim = ndim;
+  for (int d = 0; d < ndim; ++d) {
+    shape.dims[static_cast<std::size_t>(d)] = d == 0 ? rows : draw_size(provider, small_max);
+  }
+  return shape;
+}
+
+// Elements of `shape` when it is non-negative and at most `limit`, else -1.
+std::int64_t small_numel(const Shape& shape, std::int64_t limit) {
+  std::int64_t elements = 1;
+  for (int d = 0; d < shape.ndim; ++d) {
+    if (shape[d] < 0 || __builtin_mul_overflow(elements, shape[d], &elements) ||
+        elements > limit) {
+      return -1;
+    }
+  }
+  return elements;
+}
+
+bool valid_dtype(DType dtype) { return static_cast<std::size_t>(dtype) < dtype_table().size(); }
+
+void draw_counts(FuzzedDataProvider& provider, Arguments& arguments) {
+  const DType dtype = draw_dtype(provider, {DType::kInt32, DType::kInt64});
+  const int ndim = draw_ndim(provider, 2);
+  Shape shape;
+  shape.ndim = ndim;
+  for (int d = 0; d < ndim; ++d) shape.dims[static_cast<std::size_t>(d)] = draw_size(provider, 6);
+  arguments.counts = TensorView(nullptr, dtype, shape);
+  const std::int64_t numel = small_numel(shape, kMaxCountBlocks);
+  if (numel < 0 || !valid_dtype(dtype)) return;
+  arguments.counts_storage.assign(static_cast<std::size_t>(dtype_bytes(dtype, numel)), kPoison);
+  arguments.counts.data = arguments.counts_storage.data();
+  if (dtype != DType::kInt32 && dtype != DType::kInt64) return;
+  for (std::int64_t i = 0; i < numel; ++i) {
+    // One in 16 an edge value, else a third zeros (empty blocks, A = 0) and small counts.
+    const int pick = provider.ConsumeIntegralInRange<int>(0, 15);
+    std::int64_t value = pick == 15 ? provider.PickValueInArray(kEdgeValues)
+                         : pick < 5 ? 0
+                                    : provider.ConsumeIntegralInRange<std::int64_t>(1, 12);
+    if (dtype == DType::kInt32) {
+      const auto stored = static_cast<std::int32_t>(value);
+      value = stored;
+      std::memcpy(arguments.counts_storage.data() + i * 4, &stored, 4);
+    } else {
+      std::memcpy(arguments.counts_storage.data() + i * 8, &value, 8);
+    }
+    arguments.count_values.push_back(value);
+  }
+}
+
+// A: usually the counts' sum (so the call is consistent), else any size.
+std::int64_t draw_num_tokens(FuzzedDataProvider& provider, const Arguments& arguments) {
+  std::int64_t sum = 0;
+  bool summable = !arguments.count_values.empty();
+  for (std::int64_t value : arguments.count_values) {
+    summable = summable && !__builtin_add_overflow(sum, value, &sum);
+  }
+  if (summable && provider.ConsumeIntegralInRange<int>(0, 7) != 7) return sum;
+  return draw_size(provider, 64);
+}
+
+// dim 0 of scales or weight: usually A.
+std::int64_t draw_rows(FuzzedDataProvider& provider, std::int64_t num_tokens) {
+  return provider.ConsumeIntegralInRange<int>(0, 15) == 15 ? draw_size(provider, 64) : num_tokens;
+}
+
+}  // namespace
+
+Arguments decode_arguments(FuzzedDataProvider& provider) {
+  Arguments arguments;
+  arguments.num_threads = provider.ConsumeIntegralInRange<int>(0, 4);
+  arguments.attributes.expert_token_num_type = draw_attribute(provider);
+  arguments.attributes.idx_type = draw_attribute(provider);
+  draw_counts(provider, arguments);
+
+  const std::int64_t num_tokens = draw_num_tokens(provider, arguments);
+  const DType token_dtype = draw_dtype(
+      provider, {DType::kInt8, DType::kFloat16, DType::kBFloat16, DType::kFloat32,
+                 DType::kFloat8E4M3FN, DType::kFloat4E2M1, DType::kFloat4E1M2, DType::kUInt8});
+  arguments.tokens =
+      TensorView(nullptr, token_dtype, draw_shape(provider, draw_ndim(provider, 2), num_tokens, 40));
+
+  if (provider.ConsumeBool()) {
+    const DType dtype = draw_dtype(provider, {DType::kFloat32, DType::kFloat8E8M0});
+    const int usual_ndim = provider.ConsumeIntegralInRange<int>(1, 3);
+    arguments.scales = TensorView(
+        nullptr, dtype,
+        draw_shape(provider, draw_ndim(provider, usual_ndim), draw_rows(provider, num_tokens), 4));
+  }
+  if (provider.ConsumeBool()) {
+    const DType dtype = draw_dtype(provider, {DType::kFloat32});
+    Shape shape = draw_shape(provider, draw_ndim(provider, provider.ConsumeIntegralInRange<int>(1, 2)),
+                             draw_rows(provider, num_tokens), 2);
+    if (shape.ndim == 2 && provider.ConsumeIntegralInRange<int>(0, 7) != 7) shape.dims[1] = 1;
+    arguments.weight = TensorView(nullptr, dtype, shape);
+  }
+  arguments.seed = provider.ConsumeIntegral<std::uint64_t>();
+  return arguments;
+}
+
+void require(bool condition, const std::string& what) {
+  if (condition) return;
+  std::fprintf(stderr, "fuzz finding: %s\n", what.c_str());
+  std::abort();
+}
+
+std::int64_t row_bytes(const TensorSpec& spec) {
+  std::int64_t elements = 1;
+  for (int d = 1; d < spec.shape.ndim; ++d) elements *= spec.shape[d];
+  return dtype_bytes(spec.dtype, elements);
+}
+
+bool small_enough(const std::vector<TensorSpec>& specs) {
+  for (const TensorSpec& spec : specs) {
+    if (spec.nbytes() > kMaxRunBytes) return false;
+  }
+  return true;
+}
+
+Buffers::Buffers(const Arguments& arguments, const std::vector<TensorSpec>& output_specs) {
+  const auto fill = [&](std::vector<std::byte>& storage, const TensorView& view, std::uint64_t salt) {
+    storage.resize(static_cast<std::size_t>(view.nbytes()));
+    testing::fill_random(storage.data(), storage.size(), arguments.seed + salt);
+  };
+  fill(tokens, arguments.tokens, 1);
+  if (arguments.scales) fill(scales, *arguments.scales, 2);
+  if (arguments.weight) fill(weight, *arguments.weight, 3);
+  for (const TensorSpec& spec : output_specs) {
+    outputs.emplace_back(static_cast<std::size_t>(spec.nbytes()), kPoison);
+  }
+}
+
+std::vector<TensorView> Buffers::output_views(const std::vector<TensorSpec>& output_specs) {
+  std::vector<TensorView> views;
+  for (std::size_t i = 0; i < output_specs.size(); ++i) {
+    views.emplace_back(outputs[i].data(), output_specs[i].dtype, output_specs[i].shape);
+  }
+  return views;
+}
+
+bool Buffers::outputs_untouched() const {
+  for (const std::vector<std::byte>& output : outputs) {
+    for (std::byte b : output) {
+      if (b != kPoison) return false;
+    }
+  }
+  return true;
+}
+
+testing::ReferenceInputs reference_inputs(const Arguments& arguments, const Buffers& buffers) {
+  testing::ReferenceInputs in;
+  in.num_ranks = arguments.counts.shape()[0];
+  in.num_experts = arguments.counts.shape()[1];
+  in.counts = arguments.count_values;
+  in.tokens = buffers.tokens.data();
+  in.token_row_bytes = row_bytes(arguments.tokens.spec);
+  if (arguments.scales) {
+    in.scales = buffers.scales.data();
+    in.scale_row_bytes = row_bytes(arguments.scales->spec);
+  }
+  if (arguments.weight) in.weight = buffers.weight.data();
+  return in;
+}
+
+void require_equal(const char* name, const std::vector<std::byte>& got, const void* expected,
+                   std::size_t expected_bytes) {
+  require(got.size() == expected_bytes, std::string(name) + ": " + std::to_string(got.size()) +
+                                            " bytes, the reference has " +
+                                            std::to_string(expected_bytes));
+  if (got.empty() || std::memcmp(got.data(), expected, got.size()) == 0) return;
+  const auto* want = static_cast<const std::byte*>(expected);
+  std::size_t i = 0;
+  while (got[i] == want[i]) ++i;
+  require(false, std::string(name) + ": byte " + std::to_string(i) + " differs from the reference");
+}
+
+void require_plan_tiles(const Plan& plan) {
+  const std::int64_t num_tokens = plan.num_tokens;
+  require(plan.num_threads() >= 1 && plan.thread_begin.front() == 0 &&
+              plan.thread_begin.back() == static_cast<std::int64_t>(plan.chunks.size()),
+          "plan: thread_begin does not partition the chunks");
+  for (int t = 0; t < plan.num_threads(); ++t) {
+    require(plan.thread_begin[t] <= plan.thread_begin[t + 1], "plan: thread_begin decreases");
+  }
+  for (bool source : {true, false}) {
+    std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
+    for (const Chunk& chunk : plan.chunks) {
+      require(chunk.num_rows > 0, "plan: empty chunk");
+      ranges.emplace_back(source ? chunk.src_row : chunk.dst_row, chunk.num_rows);
+    }
+    std::sort(ranges.begin(), ranges.end());
+    std::int64_t next = 0;
+    for (const auto& [first, rows] : ranges) {
+      if (first != next || rows > num_tokens - first) {
+        require(false, std::string("plan: chunks do not tile the ") +
+                           (source ? "source" : "destination") + " rows at row " +
+                           std::to_string(next));
+      }
+      next = first + rows;
+    }
+    require(next == num_tokens, "plan: chunks cover " + std::to_string(next) + " of " +
+                                    std::to_string(num_tokens) + " rows");
+  }
+}
+
+std::string break_one_output(FuzzedDataProvider& provider, const std::vector<TensorView*>& outputs,
+                             const TensorView& tokens) {
+  const int mode = provider.ConsumeIntegralInRange<int>(0, 7);
+  TensorView& output =
+      *outputs[provider.ConsumeIntegralInRange<std::size_t>(0, outputs.size() - 1)];
+  switch (mode) {
+    case 1:
+      output.spec.dtype = output.dtype() == DType::kFloat32 ? DType::kInt32 : DType::kFloat32;
+      return "wrong dtype";
+    case 2:
+      output.spec.shape.dims[0] += 1;
+      return "wrong dim 0";
+    case 3:
+      if (output.nbytes() == 0 || tokens.nbytes() == 0) return "";
+      output.data = tokens.data;
+      return "aliases tokens";
+    case 4:
+      if (output.nbytes() == 0) return "";
+      output.data = nullptr;
+      return "null data";
+    default:
+      return "";
+  }
+}
+
+}  // namespace moe_reroute::fuzz

@@ -1,0 +1,59 @@
+// Fuzzes the inverse operator (see fuzz_operator.h for what is checked); the
+// attributes it decodes are ignored, the inverse has none.
+
+#include "fuzz_operator.h"
+
+namespace moe_reroute::fuzz {
+namespace {
+
+struct Inverse {
+  using Inputs = InverseInputs;
+
+  static std::vector<TensorSpec> infer(const Inputs& inputs, const Attributes&) {
+    const InverseOutputSpecs specs = infer_inverse(inputs);
+    std::vector<TensorSpec> list = {specs.restored_tokens};
+    if (specs.restored_per_token_scales) list.push_back(*specs.restored_per_token_scales);
+    if (specs.restored_topk_weight) list.push_back(*specs.restored_topk_weight);
+    return list;
+  }
+  static Plan plan(const Inputs& inputs, const Attributes&, int num_threads) {
+    return plan_inverse(inputs, num_threads);
+  }
+  // Views in spec order: tokens, then scales and weight where the inputs have them.
+  static InverseOutputs outputs(const Inputs& inputs, const std::vector<TensorView>& views) {
+    InverseOutputs out{views[0], std::nullopt, std::nullopt};
+    std::size_t next = 1;
+    if (inputs.per_token_scales) out.restored_per_token_scales = views[next++];
+    if (inputs.expert_topk_weight) out.restored_topk_weight = views[next++];
+    return out;
+  }
+  static void call(const Inputs& inputs, const std::vector<TensorView>& views, const Attributes&,
+                   int num_threads) {
+    moe_re_routing_inverse(inputs, outputs(inputs, views), num_threads);
+  }
+  static void run(const Plan& plan, const Inputs& inputs, const std::vector<TensorView>& views) {
+    run_inverse(plan, inputs, outputs(inputs, views));
+  }
+  static void check_against_reference(const Arguments& arguments, const Buffers& buffers) {
+    const testing::ReferenceOutputs expected =
+        testing::reference_inverse(reference_inputs(arguments, buffers));
+    std::size_t next = 0;
+    require_equal("restored_tokens", buffers.outputs[next++], expected.tokens.data(),
+                  expected.tokens.size());
+    if (arguments.scales) {
+      require_equal("restored_per_token_scales", buffers.outputs[next++], expected.scales.data(),
+                    expected.scales.size());
+    }
+    if (arguments.weight) {
+      require_equal("restored_topk_weight", buffers.outputs[next++], expected.weight.data(),
+                    expected.weight.size());
+    }
+  }
+};
+
+}  // namespace
+}  // namespace moe_reroute::fuzz
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  return moe_reroute::fuzz::fuzz_operator<moe_reroute::fuzz::Inverse>(data, size);
+}
