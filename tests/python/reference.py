@@ -25,6 +25,19 @@ def offsets(counts: np.ndarray):
     return src, dst
 
 
+def move_rows(inputs, counts, src, dst):
+    """Poisoned copies of the byte-row `inputs` (None stays None) with row
+    src[r, e] + k of each moved to row dst[r, e] + k, one row at a time."""
+    outputs = [None if x is None else np.full_like(x, POISON) for x in inputs]
+    for r in range(counts.shape[0]):
+        for e in range(counts.shape[1]):
+            for k in range(counts[r, e]):
+                for x, y in zip(inputs, outputs):
+                    if x is not None:
+                        y[dst[r, e] + k] = x[src[r, e] + k]
+    return outputs
+
+
 def reroute(tokens, counts, scales=None, weight=None, expert_token_num_type=1, idx_type=0):
     """Expected outputs from inputs given as byte rows ([A, bytes per row] uint8):
     (tokens, scales, idx, expert_token_num, weight), data outputs as byte rows."""
@@ -32,15 +45,12 @@ def reroute(tokens, counts, scales=None, weight=None, expert_token_num_type=1, i
     num_tokens = tokens.shape[0]
     src, dst = offsets(counts)
     no_scales = np.zeros((num_tokens, 4), np.uint8)
-    inputs = [tokens, no_scales if scales is None else scales, weight]
-    outputs = [None if x is None else np.full_like(x, POISON) for x in inputs]
+    outputs = move_rows([tokens, no_scales if scales is None else scales, weight], counts,
+                        src, dst)
     idx = np.full(num_tokens, -1, np.int32)
     for r in range(counts.shape[0]):
         for e in range(counts.shape[1]):
             for k in range(counts[r, e]):
-                for x, y in zip(inputs, outputs):
-                    if x is not None:
-                        y[dst[r, e] + k] = x[src[r, e] + k]
                 if idx_type == 0:
                     idx[dst[r, e] + k] = src[r, e] + k
                 else:
@@ -55,15 +65,7 @@ def inverse(tokens, counts, scales=None, weight=None):
     """Expected restored byte rows from byte rows (None for absent inputs)."""
     counts = np.asarray(counts, np.int64)
     src, dst = offsets(counts)
-    inputs = [tokens, scales, weight]
-    outputs = [None if x is None else np.full_like(x, POISON) for x in inputs]
-    for r in range(counts.shape[0]):
-        for e in range(counts.shape[1]):
-            for k in range(counts[r, e]):
-                for x, y in zip(inputs, outputs):
-                    if x is not None:
-                        y[src[r, e] + k] = x[dst[r, e] + k]
-    return tuple(outputs)
+    return tuple(move_rows([tokens, scales, weight], counts, dst, src))
 
 
 def random_counts(rng: np.random.Generator, num_tokens: int | None = None, dtype=np.int32):
