@@ -318,7 +318,11 @@ LoadedTensor load_tensor(const std::filesystem::path& path, std::string_view arg
     }
   }
   std::vector<std::int64_t> shape = loaded.array.shape;
-  if (dtype_info(*dtype).bits < 8 && !shape.empty()) shape.back() *= 2;
+  if (dtype_info(*dtype).bits < 8 && !shape.empty() &&
+      __builtin_mul_overflow(shape.back(), 2, &shape.back())) {
+    fail(argument, path.string() + ": the last dim counts two FP4 elements a byte and then "
+                   "overflows int64");
+  }
   loaded.view = TensorView(loaded.array.data.data(), *dtype, Shape(shape));
   return loaded;
 }
