@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 fuzz_seconds=${MOE_REROUTE_FUZZ_SECONDS:-60}
 steps=${MOE_REROUTE_HARDENING_STEPS:-fuzz asan tsan}
 jobs=${MOE_REROUTE_JOBS:-$(nproc)}
-fuzz_targets=(reroute inverse)
+fuzz_targets=(reroute inverse npy)
 
 # Everything the top level builds with tests on, minus CUDA and Python.
 common_flags=(-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOE_REROUTE_BUILD_TESTS=ON
@@ -53,10 +53,11 @@ fuzz_build() {
 # fuzz_target NAME: replays the seed corpus, then fuzzes into a scratch copy.
 fuzz_target() {
   local name=$1 binary=build-fuzz/tests/fuzz/fuzz_$1 seeds=tests/fuzz/corpus/$1
-  local scratch=build-fuzz/corpus/$1 findings=build-fuzz/findings/$1
+  local scratch=build-fuzz/corpus/$1 findings=build-fuzz/findings/$1 dict=()
+  [[ -f tests/fuzz/$1.dict ]] && dict=(-dict="tests/fuzz/$1.dict")
   mkdir -p "$scratch" "$findings"
   "$binary" -runs=0 "$seeds" 2>&1 | tail -n 3 || return 1
-  "$binary" -max_total_time="$fuzz_seconds" -timeout=10 -rss_limit_mb=4096 \
+  "$binary" -max_total_time="$fuzz_seconds" -timeout=10 -rss_limit_mb=4096 "${dict[@]}" \
     -print_final_stats=1 -artifact_prefix="$findings/" "$scratch" "$seeds" \
     >"build-fuzz/fuzz_$name.log" 2>&1
   local rc=$?
