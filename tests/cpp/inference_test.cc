@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <optional>
+#include <ostream>
 #include <vector>
 
 #include "sweep.h"
@@ -21,6 +22,8 @@ struct InferenceRow {
   ErrorCode code = ErrorCode::kInvalidArgument;
   std::vector<std::string> parts;
 };
+
+void PrintTo(const InferenceRow& row, std::ostream* os) { *os << row.name; }
 
 std::vector<InferenceRow> section5_rows() {
   const TensorView tokens = meta(DType::kFloat16, {256, 7168});

@@ -42,8 +42,7 @@ void set_count(Workload& w, std::size_t index, std::int64_t value) {
               int32 ? static_cast<const void*>(&value32) : &value, int32 ? 4 : 8);
 }
 
-// Moves one token from the first non-empty block to the end of the counts'
-// accounting: the counts then sum to A + delta.
+// Changes the first non-empty count by `delta`: the counts then sum to A + delta.
 void shift_sum(Workload& w, std::int64_t delta) {
   for (std::size_t i = 0; i < w.counts.size(); ++i) {
     if (w.counts[i] > 0) return set_count(w, i, w.counts[i] + delta);
