@@ -34,8 +34,8 @@ struct Attributes {
 struct RerouteInputs {
   TensorView tokens;                         // [A, H], a token dtype
   TensorView expert_token_num_per_rank;      // [N, E] int32 or int64
-  std::optional<TensorView> per_token_scales;    // [A], [A, S] f32; [A, K, 2], [A, S] e8m0
-  std::optional<TensorView> expert_topk_weight;  // [A, 1] or [A] float32
+  std::optional<TensorView> per_token_scales = std::nullopt;    // [A], [A, S] f32; [A, K, 2], [A, S] e8m0
+  std::optional<TensorView> expert_topk_weight = std::nullopt;  // [A, 1] or [A] float32
 };
 
 struct RerouteOutputs {
@@ -60,14 +60,14 @@ struct RerouteOutputSpecs {
 struct InverseInputs {
   TensorView tokens;                             // [A, H], any dtype
   TensorView expert_token_num_per_rank;          // [N, E] int32 or int64
-  std::optional<TensorView> per_token_scales;    // as for the forward
-  std::optional<TensorView> expert_topk_weight;  // as for the forward
+  std::optional<TensorView> per_token_scales = std::nullopt;    // as for the forward
+  std::optional<TensorView> expert_topk_weight = std::nullopt;  // as for the forward
 };
 
 struct InverseOutputs {
   TensorView restored_tokens;
-  std::optional<TensorView> restored_per_token_scales;  // exactly when scales are given
-  std::optional<TensorView> restored_topk_weight;       // exactly when weights are given
+  std::optional<TensorView> restored_per_token_scales = std::nullopt;  // exactly when scales are given
+  std::optional<TensorView> restored_topk_weight = std::nullopt;  // exactly when weights are given
 };
 
 struct InverseOutputSpecs {
