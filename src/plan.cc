@@ -221,6 +221,7 @@ void finish_plan(Plan& plan, const std::vector<std::int64_t>& counts, int num_th
 
   // Blocks in the order their destination rows are written.
   std::vector<Chunk> blocks;
+  blocks.reserve(counts.size());
   const bool forward = plan.direction == Direction::kForward;
   const std::int64_t outer = forward ? num_experts : num_ranks;
   const std::int64_t inner = forward ? num_ranks : num_experts;
@@ -243,6 +244,8 @@ void finish_plan(Plan& plan, const std::vector<std::int64_t>& counts, int num_th
       1, std::min({requested, useful, std::max<std::int64_t>(num_tokens, 1)}));
 
   plan.chunks.clear();
+  plan.chunks.reserve(blocks.size() + static_cast<std::size_t>(threads));
+  plan.thread_begin.reserve(static_cast<std::size_t>(threads) + 1);
   plan.thread_begin.assign(1, 0);
   std::size_t next = 0;
   std::int64_t taken = 0;  // rows of blocks[next] already given to earlier threads
