@@ -121,6 +121,7 @@ int main(int argc, char** argv) {
     void* copy_src = device_alloc(copy_bytes);
     void* copy_dst = device_alloc(copy_bytes);
 
+    check(cudaDeviceSynchronize(), "setup");
     const RerouteInputs inputs{TensorView(tokens, shape.dtype, {a, kHidden}),
                                TensorView(count_data, DType::kInt32, {kRanks, kExperts}),
                                TensorView(scales, DType::kFloat32, {a}),

@@ -42,16 +42,23 @@ class DeviceBuffer {
   DeviceBuffer(std::size_t bytes, std::size_t offset) : bytes_(bytes), offset_(offset) {
     check(cudaMalloc(&base_, total()));
     check(cudaMemset(base_, std::to_integer<int>(kPoison), total()));
+    check(cudaDeviceSynchronize());
   }
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
   ~DeviceBuffer() { cudaFree(base_); }
 
   std::byte* data() const { return static_cast<std::byte*>(base_) + kGuardBytes + offset_; }
+  // Both complete before returning: the tests' stream does not wait for the
+  // legacy stream these run on.
   void upload(const std::vector<std::byte>& host) const {
     check(cudaMemcpy(data(), host.data(), bytes_, cudaMemcpyHostToDevice));
+    check(cudaDeviceSynchronize());
   }
-  void poison() const { check(cudaMemset(data(), std::to_integer<int>(kPoison), bytes_)); }
+  void poison() const {
+    check(cudaMemset(data(), std::to_integer<int>(kPoison), bytes_));
+    check(cudaDeviceSynchronize());
+  }
   std::vector<std::byte> download() const {
     std::vector<std::byte> host(bytes_);
     check(cudaMemcpy(host.data(), data(), bytes_, cudaMemcpyDeviceToHost));
