@@ -175,10 +175,8 @@ int bench_command(const BenchOptions& o) {
 
   progress("verifying against the naive reference");
   run_reroute(plan, inputs, outputs);
-  const std::string difference =
-      w.compare(testing::reference_reroute(w.reference_inputs(),
-                                           config.attributes.expert_token_num_type,
-                                           config.attributes.idx_type));
+  const std::string difference = w.compare(testing::reference_reroute(
+      w.reference_inputs(), config.attributes.expert_token_num_type, config.attributes.idx_type));
   if (!difference.empty()) {
     std::printf("NOT verified: %s\n", difference.c_str());
     if (o.json) {
@@ -204,8 +202,7 @@ int bench_command(const BenchOptions& o) {
       [&] { moe_re_routing(inputs, outputs, config.attributes, threads); },
       [&] { run_reroute(plan, inputs, outputs); },
       [&] { testing::parallel_copy(copy_dst.data(), copy_src.data(), copy_bytes, threads); },
-      [&] { gather.run(threads); },
-      [&] { gather.run(1); }};
+      [&] { gather.run(threads); }, [&] { gather.run(1); }};
   std::vector<std::vector<double>> times(contenders.size());
   for (int r = 0; r < repeat; ++r) {
     for (std::size_t c = 0; c < contenders.size(); ++c) {
@@ -229,22 +226,26 @@ int bench_command(const BenchOptions& o) {
   row("plain copy, same bytes", copy_s);
   row("per-row gather, same threads", gather_s);
   row("per-row gather, 1 thread", gather1_s);
-  std::printf("moe_re_routing is %.2fx the speed of the per-row gather (%.2fx of the 1-thread one)\n",
-              gather_s / op_s, gather1_s / op_s);
-  std::printf("per-call overhead, hot caches: plan_reroute alone %.2f us; plan + run at A=1: %.2f us "
-              "(medians of 2000 calls)\n",
-              overhead.plan_s * 1e6, overhead.tiny_call_s * 1e6);
+  std::printf(
+      "moe_re_routing is %.2fx the speed of the per-row gather (%.2fx of the 1-thread one)\n",
+      gather_s / op_s, gather1_s / op_s);
+  std::printf(
+      "per-call overhead, hot caches: plan_reroute alone %.2f us; plan + run at A=1: %.2f us "
+      "(medians of 2000 calls)\n",
+      overhead.plan_s * 1e6, overhead.tiny_call_s * 1e6);
   std::printf("per-call overhead in context (plan + run minus run alone, this shape): %.2f us\n",
               (op_s - run_s) * 1e6);
   if (o.json) {
-    std::printf("{\"verified\": true, \"bytes\": %lld, \"op_s\": %.9g, \"copy_s\": %.9g, "
-                "\"ratio\": %.6g, \"run_s\": %.9g, \"gather_s\": %.9g, \"gather_ratio\": %.6g, "
-                "\"speedup_vs_gather\": %.6g, \"gather_1thread_s\": %.9g, \"plan_s\": %.9g, \"tiny_call_s\": %.9g, "
-                "\"overhead_in_context_s\": %.9g, "
-                "\"config\": %s}\n",
-                static_cast<long long>(bytes), op_s, copy_s, copy_s / op_s, run_s, gather_s,
-                copy_s / gather_s, gather_s / op_s, gather1_s, overhead.plan_s, overhead.tiny_call_s,
-                op_s - run_s, config_json.c_str());
+    std::printf(
+        "{\"verified\": true, \"bytes\": %lld, \"op_s\": %.9g, \"copy_s\": %.9g, "
+        "\"ratio\": %.6g, \"run_s\": %.9g, \"gather_s\": %.9g, \"gather_ratio\": %.6g, "
+        "\"speedup_vs_gather\": %.6g, \"gather_1thread_s\": %.9g, \"plan_s\": %.9g, "
+        "\"tiny_call_s\": %.9g, "
+        "\"overhead_in_context_s\": %.9g, "
+        "\"config\": %s}\n",
+        static_cast<long long>(bytes), op_s, copy_s, copy_s / op_s, run_s, gather_s,
+        copy_s / gather_s, gather_s / op_s, gather1_s, overhead.plan_s, overhead.tiny_call_s,
+        op_s - run_s, config_json.c_str());
   }
   return 0;
 }

@@ -17,8 +17,8 @@ int gen_command(const GenOptions& o) {
   plan_reroute(inputs, config.attributes, 1);
 
   const std::filesystem::path dir = o.out;
-  std::string command = "moe-reroute run --tokens " + (dir / "tokens.npy").string() +
-                        " --counts " + (dir / "counts.npy").string();
+  std::string command = "moe-reroute run --tokens " + (dir / "tokens.npy").string() + " --counts " +
+                        (dir / "counts.npy").string();
   OutputSet out(dir);
   out.add("tokens.npy", inputs.tokens);
   out.add("counts.npy", inputs.expert_token_num_per_rank);
@@ -37,7 +37,8 @@ int gen_command(const GenOptions& o) {
     command += " --tokens-dtype " + std::string(dtype_name(config.token_dtype));
   }
   const Attributes& attributes = config.attributes;
-  if (attributes.idx_type != kIdxGather) command += " --idx-type " + std::to_string(attributes.idx_type);
+  if (attributes.idx_type != kIdxGather)
+    command += " --idx-type " + std::to_string(attributes.idx_type);
   if (attributes.expert_token_num_type != kExpertTokenNumCount) {
     command += " --expert-token-num-type " + std::to_string(attributes.expert_token_num_type);
   }

@@ -3,7 +3,6 @@
 // one `error:` line on stderr.
 
 #include <CLI/CLI.hpp>
-
 #include <cstdio>
 #include <functional>
 #include <iostream>
@@ -48,8 +47,9 @@ void add_workload_options(CLI::App& command, WorkloadOptions& w) {
   command.add_option("--experts", w.experts, "E, local experts")->capture_default_str();
   command.add_option("--tokens-dtype", w.tokens_dtype, "token dtype name")->capture_default_str();
   command.add_option("--counts-dtype", w.counts_dtype, "int32 or int64")->capture_default_str();
-  command.add_option("--scales", w.scales,
-                     "none, f32 ([A]), f32xS ([A, S]), e8m0 ([A, ceil(H/64), 2]), e8m0xS ([A, S])")
+  command
+      .add_option("--scales", w.scales,
+                  "none, f32 ([A]), f32xS ([A, S]), e8m0 ([A, ceil(H/64), 2]), e8m0xS ([A, S])")
       ->capture_default_str();
   command.add_flag("--topk-weight,!--no-topk-weight", w.topk_weight, "give [A, 1] top-k weights");
   command.add_option("--skew", w.skew, "count skew, 0 = uniform")->capture_default_str();

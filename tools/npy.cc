@@ -2,8 +2,8 @@
 
 #include <bit>
 #include <cctype>
-#include <cstdio>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -63,7 +63,8 @@ class HeaderParser {
         array.descr = normalize_descr(parse_string(), argument_);
         has_descr = true;
       } else if (key == "fortran_order") {
-        if (parse_bool()) fail(argument_, "Fortran-order arrays are not supported; save it C-ordered");
+        if (parse_bool())
+          fail(argument_, "Fortran-order arrays are not supported; save it C-ordered");
         has_order = true;
       } else if (key == "shape") {
         array.shape = parse_shape();
@@ -167,8 +168,9 @@ std::string normalize_descr(std::string_view descr, std::string_view argument) {
   if (!well_formed) fail(argument, "unknown .npy descr '" + std::string(descr) + "'");
   const bool single_byte = body.substr(1) == "1";
   if (!single_byte && order == '>') {
-    fail(argument, "big-endian data ('" + std::string(descr) + "') is not supported; save it "
-                   "little-endian");
+    fail(argument, "big-endian data ('" + std::string(descr) +
+                       "') is not supported; save it "
+                       "little-endian");
   }
   if (!single_byte && order == '|') {
     fail(argument, ".npy descr '" + std::string(descr) + "' has no byte order");
@@ -176,8 +178,8 @@ std::string normalize_descr(std::string_view descr, std::string_view argument) {
   std::string normalized(1, single_byte ? '|' : '<');
   normalized += body;
   if (!is_table_storage(normalized)) {
-    fail(argument, ".npy descr '" + std::string(descr) + "' is not supported (supported: " +
-                       supported_descrs() + ")");
+    fail(argument, ".npy descr '" + std::string(descr) +
+                       "' is not supported (supported: " + supported_descrs() + ")");
   }
   return normalized;
 }
@@ -260,7 +262,8 @@ std::string npy_header(std::string_view descr, std::span<const std::int64_t> sha
   out += static_cast<char>(version2 ? 2 : 1);
   out += '\0';
   const std::size_t length = dict.size();
-  for (std::size_t i = 0; i < (version2 ? 4u : 2u); ++i) out += static_cast<char>(length >> (8 * i) & 0xFF);
+  for (std::size_t i = 0; i < (version2 ? 4u : 2u); ++i)
+    out += static_cast<char>(length >> (8 * i) & 0xFF);
   return out + dict;
 }
 
@@ -277,7 +280,10 @@ void write_npy(const std::filesystem::path& path, std::string_view descr,
 
 std::optional<DType> default_dtype(std::string_view descr) {
   const char kind = descr[1];
-  const std::string prefix = kind == 'f' ? "float" : kind == 'i' ? "int" : kind == 'u' ? "uint" : "";
+  const std::string prefix = kind == 'f'   ? "float"
+                             : kind == 'i' ? "int"
+                             : kind == 'u' ? "uint"
+                                           : "";
   if (prefix.empty()) return std::nullopt;
   return dtype_from_name(prefix + std::to_string(8 * std::stoi(std::string(descr.substr(2)))));
 }
@@ -285,7 +291,8 @@ std::optional<DType> default_dtype(std::string_view descr) {
 std::string storage_descr(DType dtype) { return std::string(dtype_info(dtype).npy_storage); }
 
 std::vector<std::int64_t> storage_shape(const TensorSpec& spec) {
-  std::vector<std::int64_t> shape(spec.shape.dims.begin(), spec.shape.dims.begin() + spec.shape.ndim);
+  std::vector<std::int64_t> shape(spec.shape.dims.begin(),
+                                  spec.shape.dims.begin() + spec.shape.ndim);
   if (dtype_info(spec.dtype).bits < 8 && !shape.empty()) shape.back() /= 2;
   return shape;
 }
@@ -297,7 +304,8 @@ LoadedTensor load_tensor(const std::filesystem::path& path, std::string_view arg
   std::optional<DType> dtype;
   if (dtype_name) {
     dtype = dtype_from_name(*dtype_name);
-    if (!dtype) fail(argument, "unknown dtype name '" + *dtype_name + "' (" + std::string(flag) + ")");
+    if (!dtype)
+      fail(argument, "unknown dtype name '" + *dtype_name + "' (" + std::string(flag) + ")");
     if (dtype_info(*dtype).npy_storage != descr) {
       fail(argument, std::string(flag) + " " + *dtype_name + " is stored as " +
                          storage_descr(*dtype) + ", but " + path.string() + " holds " + descr);
@@ -311,17 +319,18 @@ LoadedTensor load_tensor(const std::filesystem::path& path, std::string_view arg
         if (!names.empty()) names += ", ";
         names += info.name;
       }
-      fail(argument, path.string() + " holds " + descr +
-                         (flag.empty() ? ", which this argument cannot hold"
-                                       : "; name its dtype with " + std::string(flag) + " (" +
-                                             names + ")"));
+      fail(argument,
+           path.string() + " holds " + descr +
+               (flag.empty() ? ", which this argument cannot hold"
+                             : "; name its dtype with " + std::string(flag) + " (" + names + ")"));
     }
   }
   std::vector<std::int64_t> shape = loaded.array.shape;
   if (dtype_info(*dtype).bits < 8 && !shape.empty() &&
       __builtin_mul_overflow(shape.back(), 2, &shape.back())) {
-    fail(argument, path.string() + ": the last dim counts two FP4 elements a byte and then "
-                   "overflows int64");
+    fail(argument, path.string() +
+                       ": the last dim counts two FP4 elements a byte and then "
+                       "overflows int64");
   }
   loaded.view = TensorView(loaded.array.data.data(), *dtype, Shape(shape));
   return loaded;

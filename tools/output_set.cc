@@ -26,8 +26,7 @@ OutputSet::~OutputSet() {
 
 void OutputSet::add(const std::string& file_name, const TensorView& view) {
   const std::filesystem::path final_path = dir_ / file_name;
-  const std::filesystem::path temp =
-      dir_ / ("." + file_name + ".tmp" + std::to_string(::getpid()));
+  const std::filesystem::path temp = dir_ / ("." + file_name + ".tmp" + std::to_string(::getpid()));
   files_.emplace_back(temp, final_path);
   write_npy(temp, storage_descr(view.dtype()), storage_shape(view.spec), view.data,
             static_cast<std::size_t>(view.nbytes()), "out");
@@ -38,9 +37,8 @@ void OutputSet::commit() {
     std::error_code error;
     std::filesystem::rename(temp, final_path, error);
     if (error) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  "out: cannot rename " + temp.string() + " to " + final_path.string() + ": " +
-                      error.message());
+      throw Error(ErrorCode::kInvalidArgument, "out: cannot rename " + temp.string() + " to " +
+                                                   final_path.string() + ": " + error.message());
     }
   }
   files_.clear();

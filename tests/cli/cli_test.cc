@@ -4,11 +4,10 @@
 // `error:` line naming the argument, and nothing written to the output dir.
 
 #include <fcntl.h>
-#include <sys/wait.h>
-#include <unistd.h>
-
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -41,7 +40,8 @@ std::string slurp(const std::filesystem::path& path) {
 // Runs the built binary with `args`, capturing stdout and stderr.
 Result run_cli(const std::vector<std::string>& args) {
   const TestDir capture;
-  const std::string out_path = (capture / "stdout").string(), err_path = (capture / "stderr").string();
+  const std::string out_path = (capture / "stdout").string(),
+                    err_path = (capture / "stderr").string();
   std::vector<char*> argv = {const_cast<char*>(MOE_REROUTE_CLI)};
   for (const std::string& arg : args) argv.push_back(const_cast<char*>(arg.c_str()));
   argv.push_back(nullptr);
@@ -65,7 +65,8 @@ std::vector<std::string> words(const std::string& line) {
 }
 
 // The `run` arguments `gen` printed, with the output directory replaced.
-std::vector<std::string> printed_run_args(const std::string& gen_stdout, const std::filesystem::path& out) {
+std::vector<std::string> printed_run_args(const std::string& gen_stdout,
+                                          const std::filesystem::path& out) {
   std::vector<std::string> args = words(gen_stdout);
   EXPECT_GE(args.size(), 7u);
   EXPECT_EQ(args[0], "moe-reroute");
@@ -120,8 +121,12 @@ class EndToEnd : public ::testing::TestWithParam<Case> {};
 TEST_P(EndToEnd, GenThenRunMatchesTheReferenceAndTheInverseRestoresTheInputs) {
   const Case& c = GetParam();
   const TestDir dir;
-  std::vector<std::string> gen_args = {"gen", "--out", (dir / "in").string(), "--idx-type",
-                                       std::to_string(c.idx_type), "--expert-token-num-type",
+  std::vector<std::string> gen_args = {"gen",
+                                       "--out",
+                                       (dir / "in").string(),
+                                       "--idx-type",
+                                       std::to_string(c.idx_type),
+                                       "--expert-token-num-type",
                                        std::to_string(c.expert_token_num_type)};
   gen_args.insert(gen_args.end(), c.gen_args.begin(), c.gen_args.end());
   const Result gen = run_cli(gen_args);
@@ -134,7 +139,8 @@ TEST_P(EndToEnd, GenThenRunMatchesTheReferenceAndTheInverseRestoresTheInputs) {
   const auto in = [&](const char* name) { return read_npy(dir / "in" / name, name); };
   const auto out = [&](const char* name) { return read_npy(dir / "out" / name, name); };
   const std::set<std::string> inputs = listing(dir / "in");
-  const bool has_scales = inputs.count("scales.npy") > 0, has_weight = inputs.count("topk_weight.npy") > 0;
+  const bool has_scales = inputs.count("scales.npy") > 0,
+             has_weight = inputs.count("topk_weight.npy") > 0;
   const NpyArray tokens = in("tokens.npy"), counts = in("counts.npy");
   const NpyArray scales = has_scales ? in("scales.npy") : NpyArray{};
   const NpyArray weight = has_weight ? in("topk_weight.npy") : NpyArray{};
@@ -163,7 +169,8 @@ TEST_P(EndToEnd, GenThenRunMatchesTheReferenceAndTheInverseRestoresTheInputs) {
   EXPECT_EQ(permute_tokens.shape, tokens.shape);
   EXPECT_TRUE(bytes_of(permute_tokens) == expected.tokens) << "permute_tokens";
   const NpyArray permute_scales = out("permute_per_token_scales.npy");
-  EXPECT_EQ(permute_scales.shape, has_scales ? scales.shape : std::vector<std::int64_t>{num_tokens});
+  EXPECT_EQ(permute_scales.shape,
+            has_scales ? scales.shape : std::vector<std::int64_t>{num_tokens});
   EXPECT_EQ(permute_scales.descr, has_scales ? scales.descr : "<f4");
   EXPECT_TRUE(bytes_of(permute_scales) == expected.scales) << "permute_per_token_scales";
   const NpyArray idx = out("permute_token_idx.npy");
@@ -178,9 +185,13 @@ TEST_P(EndToEnd, GenThenRunMatchesTheReferenceAndTheInverseRestoresTheInputs) {
   EXPECT_TRUE(bytes_of(permute_weight) == expected.weight) << "permute_topk_weight";
 
   // The inverse takes the permuted files back; the dtype flags of `run` still apply.
-  std::vector<std::string> inverse_args = {"inverse", "--tokens", (dir / "out" / "permute_tokens.npy").string(),
-                                           "--counts", (dir / "in" / "counts.npy").string(),
-                                           "--out", (dir / "restored").string()};
+  std::vector<std::string> inverse_args = {"inverse",
+                                           "--tokens",
+                                           (dir / "out" / "permute_tokens.npy").string(),
+                                           "--counts",
+                                           (dir / "in" / "counts.npy").string(),
+                                           "--out",
+                                           (dir / "restored").string()};
   for (std::size_t i = 0; i + 1 < run_args.size(); ++i) {
     if (run_args[i] == "--tokens-dtype" || run_args[i] == "--scales-dtype") {
       inverse_args.insert(inverse_args.end(), {run_args[i], run_args[i + 1]});
@@ -188,11 +199,13 @@ TEST_P(EndToEnd, GenThenRunMatchesTheReferenceAndTheInverseRestoresTheInputs) {
   }
   std::set<std::string> restored_names = {"restored_tokens.npy"};
   if (has_scales) {
-    inverse_args.insert(inverse_args.end(), {"--scales", (dir / "out" / "permute_per_token_scales.npy").string()});
+    inverse_args.insert(inverse_args.end(),
+                        {"--scales", (dir / "out" / "permute_per_token_scales.npy").string()});
     restored_names.insert("restored_per_token_scales.npy");
   }
   if (has_weight) {
-    inverse_args.insert(inverse_args.end(), {"--topk-weight", (dir / "out" / "permute_topk_weight.npy").string()});
+    inverse_args.insert(inverse_args.end(),
+                        {"--topk-weight", (dir / "out" / "permute_topk_weight.npy").string()});
     restored_names.insert("restored_topk_weight.npy");
   }
   const Result inverse = run_cli(inverse_args);
@@ -216,17 +229,23 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         Case{"int8_gather_count", {"--tokens", "300", "--hidden", "40"}},
         Case{"float16_scatter_cumsum_f32x3_int64",
-             {"--tokens-dtype", "float16", "--scales", "f32x3", "--counts-dtype", "int64", "--ranks", "3",
-              "--experts", "5", "--skew", "1.5"},
-             1, 0},
+             {"--tokens-dtype", "float16", "--scales", "f32x3", "--counts-dtype", "int64",
+              "--ranks", "3", "--experts", "5", "--skew", "1.5"},
+             1,
+             0},
         Case{"bfloat16_scatter", {"--tokens-dtype", "bfloat16", "--hidden", "33"}, 1, 1},
         Case{"float8_e4m3fn_cumsum", {"--tokens-dtype", "float8_e4m3fn", "--no-topk-weight"}, 0, 0},
         Case{"float8_e5m2", {"--tokens-dtype", "float8_e5m2", "--scales", "none", "--ranks", "1"}},
-        Case{"hifloat8_one_expert", {"--tokens-dtype", "hifloat8", "--experts", "1", "--tokens", "17"}, 1, 0},
-        Case{"float4_e2m1_mx_scales", {"--tokens-dtype", "float4_e2m1", "--hidden", "256", "--scales", "e8m0"}},
+        Case{"hifloat8_one_expert",
+             {"--tokens-dtype", "hifloat8", "--experts", "1", "--tokens", "17"},
+             1,
+             0},
+        Case{"float4_e2m1_mx_scales",
+             {"--tokens-dtype", "float4_e2m1", "--hidden", "256", "--scales", "e8m0"}},
         Case{"float4_e1m2_e8m0x3_scatter",
              {"--tokens-dtype", "float4_e1m2", "--hidden", "18", "--scales", "e8m0x3"},
-             1, 1},
+             1,
+             1},
         Case{"float32_bare", {"--tokens-dtype", "float32", "--scales", "none", "--no-topk-weight"}},
         Case{"uint8_zero_tokens", {"--tokens-dtype", "uint8", "--tokens", "0"}}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
@@ -248,7 +267,8 @@ TEST(Cli, BenchVerifiesAndEndsWithJson) {
   const std::string trimmed = result.out.substr(0, result.out.size() - 1);
   const std::string last = trimmed.substr(trimmed.rfind('\n') + 1);
   EXPECT_THAT(last, StartsWith("{\"verified\": true, \"bytes\": "));
-  for (const char* key : {"\"op_s\": ", "\"copy_s\": ", "\"ratio\": ", "\"gather_s\": ", "\"config\": {"}) {
+  for (const char* key :
+       {"\"op_s\": ", "\"copy_s\": ", "\"ratio\": ", "\"gather_s\": ", "\"config\": {"}) {
     EXPECT_THAT(last, HasSubstr(key));
   }
   EXPECT_EQ(last.back(), '}');
@@ -260,8 +280,8 @@ class BadInput : public ::testing::Test {
  protected:
   void SetUp() override {
     std::filesystem::create_directories(dir_ / "out");
-    const Result gen = run_cli({"gen", "--out", (dir_ / "in").string(), "--tokens", "64", "--hidden",
-                                "16", "--ranks", "2", "--experts", "3"});
+    const Result gen = run_cli({"gen", "--out", (dir_ / "in").string(), "--tokens", "64",
+                                "--hidden", "16", "--ranks", "2", "--experts", "3"});
     ASSERT_EQ(gen.status, 0) << gen.err;
   }
 
@@ -291,8 +311,10 @@ class BadInput : public ::testing::Test {
                       std::vector<std::pair<std::string, std::string>> replace = {},
                       const char* command = "run") {
     std::vector<std::pair<std::string, std::string>> flags = {
-        {"--tokens", in("tokens.npy")}, {"--counts", in("counts.npy")},
-        {"--scales", in("scales.npy")}, {"--topk-weight", in("topk_weight.npy")},
+        {"--tokens", in("tokens.npy")},
+        {"--counts", in("counts.npy")},
+        {"--scales", in("scales.npy")},
+        {"--topk-weight", in("topk_weight.npy")},
         {"--out", (dir_ / "out").string()}};
     for (const auto& [flag, value] : replace) {
       bool found = false;
@@ -316,7 +338,8 @@ class BadInput : public ::testing::Test {
     EXPECT_THAT(result.err, HasSubstr(argument));
     EXPECT_EQ(std::count(result.err.begin(), result.err.end(), '\n'), 1) << result.err;
     EXPECT_EQ(result.out, "");
-    EXPECT_TRUE(listing(dir_ / "out").empty()) << "output written on error: " << *listing(dir_ / "out").begin();
+    EXPECT_TRUE(listing(dir_ / "out").empty())
+        << "output written on error: " << *listing(dir_ / "out").begin();
   }
 
   TestDir dir_;
@@ -333,7 +356,8 @@ TEST_F(BadInput, UnreadableOrMalformedFiles) {
   expect_refused({}, "tokens: cannot open", {{"--tokens", (dir_ / "missing.npy").string()}});
   expect_refused({}, "tokens: ", {{"--tokens", raw("text.npy", "not an npy file\n")}});
   const std::string tokens = slurp(in("tokens.npy"));
-  expect_refused({}, "tokens: ", {{"--tokens", raw("short.npy", tokens.substr(0, tokens.size() - 1))}});
+  expect_refused({},
+                 "tokens: ", {{"--tokens", raw("short.npy", tokens.substr(0, tokens.size() - 1))}});
   expect_refused({}, "tokens: ", {{"--tokens", raw("header.npy", tokens.substr(0, 40))}});
   std::string big_endian = tokens;
   big_endian.replace(big_endian.find("'|i1'"), 5, "'>i2'");
@@ -349,9 +373,12 @@ TEST_F(BadInput, UnreadableOrMalformedFiles) {
 TEST_F(BadInput, Spec4Violations) {
   expect_refused({}, "tokens: must be 2-D", {{"--tokens", file("t1.npy", "|i1", {64})}});
   expect_refused({}, "tokens: H must be >= 1", {{"--tokens", file("t0.npy", "|i1", {64, 0})}});
-  expect_refused({}, "expert_token_num_per_rank: must be 2-D", {{"--counts", file("c1.npy", "<i4", {6})}});
-  expect_refused({}, "expert_token_num_per_rank: dtype float32", {{"--counts", file("cf.npy", "<f4", {2, 3})}});
-  expect_refused({}, "expert_token_num_per_rank: N and E", {{"--counts", file("c0.npy", "<i4", {0, 3})}});
+  expect_refused({}, "expert_token_num_per_rank: must be 2-D",
+                 {{"--counts", file("c1.npy", "<i4", {6})}});
+  expect_refused({}, "expert_token_num_per_rank: dtype float32",
+                 {{"--counts", file("cf.npy", "<f4", {2, 3})}});
+  expect_refused({}, "expert_token_num_per_rank: N and E",
+                 {{"--counts", file("c0.npy", "<i4", {0, 3})}});
   expect_refused({}, "expert_token_num_per_rank: count[0][1] = -1 is negative",
                  {{"--counts", file("cn.npy", "<i8", {2, 3}, {65, -1})}});
   expect_refused({}, "expert_token_num_per_rank: counts sum to 60",
@@ -362,9 +389,12 @@ TEST_F(BadInput, Spec4Violations) {
                  {{"--scales", file("se.npy", "|u1", {64})}});
   expect_refused({"--scales-dtype", "float8_e8m0"}, "per_token_scales: float8_e8m0 scales must be",
                  {{"--scales", file("se1.npy", "|u1", {64})}});
-  expect_refused({}, "expert_topk_weight: dim 1 must be 1", {{"--topk-weight", file("w2.npy", "<f4", {64, 2})}});
-  expect_refused({}, "expert_topk_weight: dtype int32", {{"--topk-weight", file("wi.npy", "<i4", {64, 1})}});
-  expect_refused({}, "expert_topk_weight: dim 0 is 32", {{"--topk-weight", file("w0.npy", "<f4", {32, 1})}});
+  expect_refused({}, "expert_topk_weight: dim 1 must be 1",
+                 {{"--topk-weight", file("w2.npy", "<f4", {64, 2})}});
+  expect_refused({}, "expert_topk_weight: dtype int32",
+                 {{"--topk-weight", file("wi.npy", "<i4", {64, 1})}});
+  expect_refused({}, "expert_topk_weight: dim 0 is 32",
+                 {{"--topk-weight", file("w0.npy", "<f4", {32, 1})}});
   expect_refused({"--idx-type", "2"}, "idx_type: must be 0");
   expect_refused({"--expert-token-num-type", "-1"}, "expert_token_num_type: must be 0");
 }
@@ -372,12 +402,14 @@ TEST_F(BadInput, Spec4Violations) {
 TEST_F(BadInput, DtypeNames) {
   expect_refused({"--tokens-dtype", "float9"}, "tokens: unknown dtype name 'float9'");
   expect_refused({"--tokens-dtype", "float16"}, "tokens: --tokens-dtype float16 is stored as <f2");
-  expect_refused({"--tokens-dtype", "float8_e8m0"}, "tokens: dtype float8_e8m0 is not a token dtype",
+  expect_refused({"--tokens-dtype", "float8_e8m0"},
+                 "tokens: dtype float8_e8m0 is not a token dtype",
                  {{"--tokens", file("u1.npy", "|u1", {64, 16})}});
   expect_refused({}, "tokens: ", {{"--tokens", file("u2.npy", "<u2", {64, 16})}});
-  expect_refused({"--scales-dtype", "bfloat16"}, "per_token_scales: --scales-dtype bfloat16 is stored as <u2");
-  expect_refused({"--scales-dtype", "float8_e8m0"}, "per_token_scales: --scales-dtype needs --scales",
-                 {{"--scales", ""}});
+  expect_refused({"--scales-dtype", "bfloat16"},
+                 "per_token_scales: --scales-dtype bfloat16 is stored as <u2");
+  expect_refused({"--scales-dtype", "float8_e8m0"},
+                 "per_token_scales: --scales-dtype needs --scales", {{"--scales", ""}});
 }
 
 TEST_F(BadInput, CommandLineErrors) {
@@ -402,8 +434,8 @@ TEST_F(BadInput, InverseErrors) {
 
 TEST_F(BadInput, AMissingOutputDirectoryIsNotCreated) {
   const std::filesystem::path out = dir_ / "never";
-  expect_refused({}, "expert_token_num_per_rank", {{"--counts", file("cs.npy", "<i4", {2, 3}, {10})},
-                                                   {"--out", out.string()}});
+  expect_refused({}, "expert_token_num_per_rank",
+                 {{"--counts", file("cs.npy", "<i4", {2, 3}, {10})}, {"--out", out.string()}});
   EXPECT_FALSE(std::filesystem::exists(out));
 }
 

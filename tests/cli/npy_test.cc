@@ -2,6 +2,8 @@
 // table, numpy's exact header bytes, every malformed file refused with a
 // message naming the argument, and the all-or-nothing output set.
 
+#include "npy.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -14,7 +16,6 @@
 
 #include "moe_reroute/dtype.h"
 #include "moe_reroute/error.h"
-#include "npy.h"
 #include "output_set.h"
 #include "test_dir.h"
 
@@ -30,7 +31,8 @@ std::string with_length(std::string_view header, int major) {
   bytes += static_cast<char>(major);
   bytes += '\0';
   const std::size_t length = header.size();
-  for (int i = 0; i < (major == 1 ? 2 : 4); ++i) bytes += static_cast<char>(length >> (8 * i) & 0xFF);
+  for (int i = 0; i < (major == 1 ? 2 : 4); ++i)
+    bytes += static_cast<char>(length >> (8 * i) & 0xFF);
   return bytes + std::string(header);
 }
 
@@ -95,7 +97,8 @@ TEST_F(NpyFileTest, RoundTripsEveryStorageOfTheTable) {
     ASSERT_EQ(array.data.size(), bytes);
     EXPECT_EQ(std::memcmp(array.data.data(), data.data(), bytes), 0);
 
-    const LoadedTensor loaded = load_tensor(path, "tokens", std::string(info.name), "--tokens-dtype");
+    const LoadedTensor loaded =
+        load_tensor(path, "tokens", std::string(info.name), "--tokens-dtype");
     EXPECT_EQ(loaded.view.dtype(), info.dtype);
     EXPECT_EQ(loaded.view.shape(), Shape({3, info.bits == 4 ? 10 : 5}));
     EXPECT_EQ(loaded.view.nbytes(), static_cast<std::int64_t>(bytes));
@@ -132,11 +135,17 @@ TEST(NpyDescr, AcceptsEveryByteOrderSpellingNumpyWrites) {
 }
 
 TEST(NpyDescr, RefusesWhatNoDtypeOfTheTableStores) {
-  for (const auto& [descr, words] : std::vector<std::pair<std::string, std::string>>{
-           {">f4", "big-endian"}, {">i8", "big-endian"}, {"|f4", "no byte order"},
-           {"<f8", "not supported"}, {"|b1", "not supported"}, {"<c8", "not supported"},
-           {"O", "unknown .npy descr"}, {"<f", "unknown .npy descr"}, {"", "unknown .npy descr"},
-           {"<4f", "unknown .npy descr"}}) {
+  for (const auto& [descr, words] :
+       std::vector<std::pair<std::string, std::string>>{{">f4", "big-endian"},
+                                                        {">i8", "big-endian"},
+                                                        {"|f4", "no byte order"},
+                                                        {"<f8", "not supported"},
+                                                        {"|b1", "not supported"},
+                                                        {"<c8", "not supported"},
+                                                        {"O", "unknown .npy descr"},
+                                                        {"<f", "unknown .npy descr"},
+                                                        {"", "unknown .npy descr"},
+                                                        {"<4f", "unknown .npy descr"}}) {
     try {
       normalize_descr(descr, "per_token_scales");
       ADD_FAILURE() << "accepted " << descr;
@@ -154,15 +163,17 @@ TEST_F(NpyFileTest, RefusesMalformedFiles) {
   expect_refused("\x93NUMPZ\x01\x00\x10\x00"s, "not a .npy file");
   expect_refused("\x93NUMPY\x01", "truncated inside the .npy preamble");
   expect_refused("\x93NUMPY\x02\x00\x10\x00"s, "truncated inside the .npy preamble");
-  expect_refused(with_length(dict("|i1", "(6,)"), 1).substr(0, 30), "truncated inside the .npy header");
+  expect_refused(with_length(dict("|i1", "(6,)"), 1).substr(0, 30),
+                 "truncated inside the .npy header");
   expect_refused(npy_file(dict("|i1", "(2, 3)"), six.substr(0, 5)), "truncated");
   expect_refused(npy_file(dict("<f4", "(2, 3)"), six), "truncated");
   expect_refused(npy_file(dict("|i1", "(2, 3)"), six + "x"), "the file holds 7");
   expect_refused(npy_file(dict(">f4", "(1,)"), "abcd"), "big-endian");
   expect_refused(npy_file(dict("|i1", "(2, 3)", "True"), six), "Fortran-order");
   expect_refused(npy_file(dict("<c16", "(1,)"), std::string(16, 'x')), "not supported");
-  expect_refused(npy_file("{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (1,), }", "abcd"),
-                 "structured");
+  expect_refused(
+      npy_file("{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (1,), }", "abcd"),
+      "structured");
   expect_refused(npy_file(dict("|i1", "(6,)"), six, 4), "version 4.0");
   expect_refused("\x93NUMPY\x01\x01" + with_length(dict("|i1", "(6,)"), 1).substr(8) + six,
                  "version 1.1");
@@ -195,7 +206,8 @@ TEST_F(NpyFileTest, LoadTensorNeedsANameThatFitsTheStorage) {
   const std::filesystem::path u2 = write(npy_file(dict("<u2", "(2, 2)"), "abcdefgh"));
   const std::filesystem::path f2 = write(npy_file(dict("<f2", "(2, 2)"), "abcdefgh"));
   const std::filesystem::path u1 = write(npy_file(dict("|u1", "(2, 3)"), "abcdef"));
-  EXPECT_EQ(load_tensor(f2, "tokens", std::nullopt, "--tokens-dtype").view.dtype(), DType::kFloat16);
+  EXPECT_EQ(load_tensor(f2, "tokens", std::nullopt, "--tokens-dtype").view.dtype(),
+            DType::kFloat16);
   EXPECT_EQ(load_tensor(u1, "tokens", std::nullopt, "--tokens-dtype").view.dtype(), DType::kUInt8);
   const LoadedTensor fp4 = load_tensor(u1, "tokens", "float4_e2m1", "--tokens-dtype");
   EXPECT_EQ(fp4.view.spec, (TensorSpec{DType::kFloat4E2M1, {2, 6}}));

@@ -12,7 +12,8 @@ namespace moe_reroute::tools {
 class TestDir {
  public:
   TestDir() {
-    std::string pattern = (std::filesystem::temp_directory_path() / "moe-reroute-test-XXXXXX").string();
+    std::string pattern =
+        (std::filesystem::temp_directory_path() / "moe-reroute-test-XXXXXX").string();
     if (::mkdtemp(pattern.data()) == nullptr) std::abort();
     path_ = pattern;
   }
