@@ -6,8 +6,10 @@
 #include <benchmark/benchmark.h>
 #include <malloc.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -207,7 +209,7 @@ Target target_for(const BenchShape& shape) {
 class SummaryReporter : public benchmark::ConsoleReporter {
  public:
   explicit SummaryReporter(std::vector<BenchShape> all)
-      : benchmark::ConsoleReporter(OO_Tabular), shapes_(std::move(all)) {}
+      : benchmark::ConsoleReporter(OO_Tabular), shapes_(std::move(all)), start_load_(load_average()) {}
 
   void ReportRuns(const std::vector<Run>& runs) override {
     benchmark::ConsoleReporter::ReportRuns(runs);
@@ -228,9 +230,17 @@ class SummaryReporter : public benchmark::ConsoleReporter {
   void Finalize() override {
     benchmark::ConsoleReporter::Finalize();
     std::ostream& out = GetOutputStream();
-    out << "\nMedians of " << repetitions_ << " repetitions (us, wall time): plan_run = plan + run per call, run = reused plan, copy ="
-           " parallel_copy of the same bytes with the plan's threads, gather = per_row_gather on"
-           " one thread. Tokens int8; scaled = float32 scales [A, H/128] and weights.\n\n";
+    out << "\nMedians of " << repetitions_ << " repetitions (us, wall time): plan_run = plan + run"
+           " per call, run = reused plan, copy = parallel_copy of the same bytes with the plan's"
+           " threads, gather = per_row_gather on one thread. Tokens int8; scaled = float32 scales"
+           " [A, H/128] and weights.\n";
+    // Other processes on the cores stall every fork and join: worth a warning.
+    out << "Load average " << fixed(start_load_, 2) << " at the start, " << fixed(load_average(), 2)
+        << " at the end, on " << hardware_threads() << " hardware threads"
+        << (std::max(start_load_, load_average()) > 0.5 * hardware_threads()
+                ? ": other processes shared the cores, the times are not trustworthy"
+                : "")
+        << ".\n\n";
     out << "| shape | threads | plan_run | run | copy | copy/plan_run | copy/run | "
            "gather/plan_run | plan_run - run | target |\n";
     out << "|---|---|---|---|---|---|---|---|---|---|\n";
@@ -257,6 +267,11 @@ class SummaryReporter : public benchmark::ConsoleReporter {
       return it == time_us.end() ? 0.0 : it->second;
     }
   };
+
+  static double load_average() {
+    double load = 0.0;
+    return getloadavg(&load, 1) == 1 ? load : 0.0;
+  }
 
   static std::string fixed(double value, int digits) {
     char text[32];
@@ -285,6 +300,7 @@ class SummaryReporter : public benchmark::ConsoleReporter {
 
   std::vector<BenchShape> shapes_;
   std::map<std::string, Medians> medians_;
+  double start_load_ = 0.0;
   std::int64_t repetitions_ = 1;
 };
 
