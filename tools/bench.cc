@@ -1,8 +1,8 @@
 // `bench`: verifies the operator against the naive reference, then times it
 // (plan + run, and run alone) against a plain copy of the same bytes with the
-// same threads (the physical limit) and a per-row gather by the operator's own
-// index (the naive baseline, with the same threads and with one), and
-// measures the per-call overhead apart.
+// threads the plan uses (the physical limit) and a per-row gather by the
+// operator's own index (the naive baseline, with those threads and with one),
+// and measures the per-call overhead apart.
 
 #include <omp.h>
 
@@ -194,6 +194,8 @@ int bench_command(const BenchOptions& o) {
   testing::fill_random(copy_src.data(), copy_bytes, config.seed + 7);
   GatherBaseline gather = gather_baseline(w);
 
+  // The baselines get the threads the plan chose, which it caps by bytes per thread.
+  const int used_threads = plan.num_threads();
   progress("timing " + std::to_string(repeat) + " rounds");
   // Each round times every contender once, so drift hits them alike; each timed
   // call follows an untimed one of the same contender, so each finds the caches
@@ -201,8 +203,8 @@ int bench_command(const BenchOptions& o) {
   const std::vector<std::function<void()>> contenders = {
       [&] { moe_re_routing(inputs, outputs, config.attributes, threads); },
       [&] { run_reroute(plan, inputs, outputs); },
-      [&] { testing::parallel_copy(copy_dst.data(), copy_src.data(), copy_bytes, threads); },
-      [&] { gather.run(threads); }, [&] { gather.run(1); }};
+      [&] { testing::parallel_copy(copy_dst.data(), copy_src.data(), copy_bytes, used_threads); },
+      [&] { gather.run(used_threads); }, [&] { gather.run(1); }};
   std::vector<std::vector<double>> times(contenders.size());
   for (int r = 0; r < repeat; ++r) {
     for (std::size_t c = 0; c < contenders.size(); ++c) {
