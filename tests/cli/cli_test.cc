@@ -81,7 +81,7 @@ std::vector<std::byte> bytes_of(const NpyArray& array) { return array.data; }
 template <typename T>
 std::vector<std::byte> bytes_of(const std::vector<T>& values) {
   std::vector<std::byte> bytes(values.size() * sizeof(T));
-  std::memcpy(bytes.data(), values.data(), bytes.size());
+  if (!bytes.empty()) std::memcpy(bytes.data(), values.data(), bytes.size());  // never null
   return bytes;
 }
 
