@@ -22,6 +22,8 @@ common_flags=(-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOE_REROUTE_BUILD_TES
               -DMOE_REROUTE_CUDA=OFF -DMOE_REROUTE_BUILD_PYTHON=OFF -DMOE_REROUTE_INSTALL=OFF)
 
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:strict_string_checks=1:check_initialization_order=1}
+# Open MPI's own leaks at exit (the MPI example's ctest cases); see the file.
+export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$PWD/tests/hardening/lsan.supp:fast_unwind_on_malloc=0}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 # libomp is not instrumented; its Archer tool tells TSan about OpenMP's own
 # synchronisation (see cmake/sanitize.cmake).

@@ -18,14 +18,23 @@ constexpr std::int64_t kInt64Max = std::numeric_limits<std::int64_t>::max();
 constexpr std::int64_t kInt64Min = std::numeric_limits<std::int64_t>::min();
 
 // Sizes at the edges of int32, int64 and byte arithmetic.
-constexpr std::int64_t kEdgeValues[] = {
-    -1, -2, -kInt32Max - 1, kInt32Max, kInt32Max + 1, std::int64_t{1} << 32,
-    std::int64_t{1} << 40, std::int64_t{1} << 57, (std::int64_t{1} << 57) + 1,
-    std::int64_t{1} << 62, kInt64Max, kInt64Min};
+constexpr std::int64_t kEdgeValues[] = {-1,
+                                        -2,
+                                        -kInt32Max - 1,
+                                        kInt32Max,
+                                        kInt32Max + 1,
+                                        std::int64_t{1} << 32,
+                                        std::int64_t{1} << 40,
+                                        std::int64_t{1} << 57,
+                                        (std::int64_t{1} << 57) + 1,
+                                        std::int64_t{1} << 62,
+                                        kInt64Max,
+                                        kInt64Min};
 
 // One in 16 draws an edge value; the rest a small size (exhausted input: 0).
 std::int64_t draw_size(FuzzedDataProvider& provider, std::int64_t small_max) {
-  if (provider.ConsumeIntegralInRange<int>(0, 15) == 15) return provider.PickValueInArray(kEdgeValues);
+  if (provider.ConsumeIntegralInRange<int>(0, 15) == 15)
+    return provider.PickValueInArray(kEdgeValues);
   return provider.ConsumeIntegralInRange<std::int64_t>(0, small_max);
 }
 
@@ -68,8 +77,7 @@ Shape draw_shape(FuzzedDataProvider& provider, int ndim, std::int64_t rows,
 std::int64_t small_numel(const Shape& shape, std::int64_t limit) {
   std::int64_t elements = 1;
   for (int d = 0; d < shape.ndim; ++d) {
-    if (shape[d] < 0 || __builtin_mul_overflow(elements, shape[d], &elements) ||
-        elements > limit) {
+    if (shape[d] < 0 || __builtin_mul_overflow(elements, shape[d], &elements) || elements > limit) {
       return -1;
     }
   }
@@ -136,8 +144,8 @@ Arguments decode_arguments(FuzzedDataProvider& provider) {
   const DType token_dtype = draw_dtype(
       provider, {DType::kInt8, DType::kFloat16, DType::kBFloat16, DType::kFloat32,
                  DType::kFloat8E4M3FN, DType::kFloat4E2M1, DType::kFloat4E1M2, DType::kUInt8});
-  arguments.tokens =
-      TensorView(nullptr, token_dtype, draw_shape(provider, draw_ndim(provider, 2), num_tokens, 40));
+  arguments.tokens = TensorView(nullptr, token_dtype,
+                                draw_shape(provider, draw_ndim(provider, 2), num_tokens, 40));
 
   if (provider.ConsumeBool()) {
     const DType dtype = draw_dtype(provider, {DType::kFloat32, DType::kFloat8E8M0});
@@ -148,8 +156,9 @@ Arguments decode_arguments(FuzzedDataProvider& provider) {
   }
   if (provider.ConsumeBool()) {
     const DType dtype = draw_dtype(provider, {DType::kFloat32});
-    Shape shape = draw_shape(provider, draw_ndim(provider, provider.ConsumeIntegralInRange<int>(1, 2)),
-                             draw_rows(provider, num_tokens), 2);
+    Shape shape =
+        draw_shape(provider, draw_ndim(provider, provider.ConsumeIntegralInRange<int>(1, 2)),
+                   draw_rows(provider, num_tokens), 2);
     if (shape.ndim == 2 && provider.ConsumeIntegralInRange<int>(0, 7) != 7) shape.dims[1] = 1;
     arguments.weight = TensorView(nullptr, dtype, shape);
   }
@@ -177,7 +186,8 @@ bool small_enough(const std::vector<TensorSpec>& specs) {
 }
 
 Buffers::Buffers(const Arguments& arguments, const std::vector<TensorSpec>& output_specs) {
-  const auto fill = [&](std::vector<std::byte>& storage, const TensorView& view, std::uint64_t salt) {
+  const auto fill = [&](std::vector<std::byte>& storage, const TensorView& view,
+                        std::uint64_t salt) {
     storage.resize(static_cast<std::size_t>(view.nbytes()));
     testing::fill_random(storage.data(), storage.size(), arguments.seed + salt);
   };

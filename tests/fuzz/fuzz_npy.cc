@@ -25,8 +25,7 @@ class MemoryFile {
     path_ = "/proc/self/fd/" + std::to_string(fd_);
   }
   const std::string& write(const void* data, std::size_t size) {
-    require(ftruncate(fd_, 0) == 0 &&
-                pwrite(fd_, data, size, 0) == static_cast<ssize_t>(size),
+    require(ftruncate(fd_, 0) == 0 && pwrite(fd_, data, size, 0) == static_cast<ssize_t>(size),
             "cannot write the memory file");
     return path_;
   }
@@ -70,8 +69,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::string header = tools::npy_header(array.descr, array.shape);
   std::string rewritten = header;
   rewritten.append(reinterpret_cast<const char*>(array.data.data()), array.data.size());
-  const tools::NpyArray again = tools::read_npy(copy.write(rewritten.data(), rewritten.size()), "copy");
-  fuzz::require(again.descr == array.descr && again.shape == array.shape && again.data == array.data,
-                "written back, the file reads differently");
+  const tools::NpyArray again =
+      tools::read_npy(copy.write(rewritten.data(), rewritten.size()), "copy");
+  fuzz::require(
+      again.descr == array.descr && again.shape == array.shape && again.data == array.data,
+      "written back, the file reads differently");
   return 0;
 }

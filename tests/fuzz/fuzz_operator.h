@@ -62,8 +62,8 @@ int fuzz_operator(const std::uint8_t* data, std::size_t size) {
       Operator::call(inputs, outputs, arguments.attributes, arguments.num_threads);
       require(false, "the one-call form accepted what planning refused: " + plan_error);
     } catch (const Error& e) {
-      require(e.what() == plan_error,
-              "the one-call form refused differently: " + std::string(e.what()) + " / " + plan_error);
+      require(e.what() == plan_error, "the one-call form refused differently: " +
+                                          std::string(e.what()) + " / " + plan_error);
     }
     require(buffers.outputs_untouched(), "a refused call wrote output bytes");
     return 0;

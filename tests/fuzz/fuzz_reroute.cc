@@ -32,7 +32,8 @@ struct Forward {
     const testing::ReferenceOutputs expected = testing::reference_reroute(
         reference_inputs(arguments, buffers), arguments.attributes.expert_token_num_type,
         arguments.attributes.idx_type);
-    require_equal("permute_tokens", buffers.outputs[0], expected.tokens.data(), expected.tokens.size());
+    require_equal("permute_tokens", buffers.outputs[0], expected.tokens.data(),
+                  expected.tokens.size());
     require_equal("permute_per_token_scales", buffers.outputs[1], expected.scales.data(),
                   expected.scales.size());
     require_equal("permute_token_idx", buffers.outputs[2], expected.token_idx.data(),

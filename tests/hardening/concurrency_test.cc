@@ -53,9 +53,9 @@ std::vector<std::byte> output_bytes(const Workload& w) {
 std::vector<std::byte> serial_result(Workload& w) {
   w.poison_outputs();
   moe_re_routing(w.inputs(), w.outputs(), w.config().attributes, 1);
-  const std::string diff = w.compare(testing::reference_reroute(
-      w.reference_inputs(), w.config().attributes.expert_token_num_type,
-      w.config().attributes.idx_type));
+  const std::string diff = w.compare(
+      testing::reference_reroute(w.reference_inputs(), w.config().attributes.expert_token_num_type,
+                                 w.config().attributes.idx_type));
   EXPECT_EQ(diff, "");
   return output_bytes(w);
 }
@@ -63,7 +63,8 @@ std::vector<std::byte> serial_result(Workload& w) {
 TEST(Concurrency, ManyCallersOnSeparateBuffers) {
   std::vector<Workload> workloads;
   std::vector<std::vector<std::byte>> serial;
-  for (int caller = 0; caller < kNumCallers; ++caller) workloads.emplace_back(caller_config(caller));
+  for (int caller = 0; caller < kNumCallers; ++caller)
+    workloads.emplace_back(caller_config(caller));
   for (Workload& w : workloads) serial.push_back(serial_result(w));
 
   std::vector<std::vector<std::vector<std::byte>>> results(kNumCallers);
@@ -97,10 +98,10 @@ TEST(Concurrency, OnePlanFromManyThreads) {
   const std::vector<std::byte> serial = serial_result(serial_run);
 
   const Plan plan = plan_reroute(shared.inputs(), config.attributes, 2);
-  const Plan inverse_plan = plan_inverse(
-      {shared.inputs().tokens, shared.inputs().expert_token_num_per_rank,
-       shared.inputs().per_token_scales, shared.inputs().expert_topk_weight},
-      2);
+  const Plan inverse_plan =
+      plan_inverse({shared.inputs().tokens, shared.inputs().expert_token_num_per_rank,
+                    shared.inputs().per_token_scales, shared.inputs().expert_topk_weight},
+                   2);
   std::vector<Workload> own(kNumCallers, shared);
   std::vector<std::string> failures(kNumCallers);
   std::vector<std::thread> callers;
@@ -130,8 +131,8 @@ TEST(Concurrency, OnePlanFromManyThreads) {
                          back.per_token_scales->shape());
         }
         if (back.expert_topk_weight) {
-          restore.restored_topk_weight = TensorView(
-              restored_weight.data(), DType::kFloat32, back.expert_topk_weight->shape());
+          restore.restored_topk_weight =
+              TensorView(restored_weight.data(), DType::kFloat32, back.expert_topk_weight->shape());
         }
         run_inverse(inverse_plan, back, restore);
         if (restored != shared.tokens || restored_scales != shared.scales ||

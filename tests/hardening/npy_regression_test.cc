@@ -18,11 +18,12 @@ namespace {
 TEST(FuzzFinding, Fp4LastDimThatOverflowsWhenDoubled) {
   const std::filesystem::path path =
       std::filesystem::temp_directory_path() /
-      ("moe_reroute_fp4_overflow_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()) +
-       ".npy");
+      ("moe_reroute_fp4_overflow_" +
+       std::to_string(::testing::UnitTest::GetInstance()->random_seed()) + ".npy");
   const std::int64_t shape[] = {0, std::numeric_limits<std::int64_t>::max()};
   const std::string header = tools::npy_header("|u1", shape);
-  std::ofstream(path, std::ios::binary).write(header.data(), static_cast<std::streamsize>(header.size()));
+  std::ofstream(path, std::ios::binary)
+      .write(header.data(), static_cast<std::streamsize>(header.size()));
   try {
     tools::load_tensor(path, "tokens", "float4_e2m1", "--tokens-dtype");
     ADD_FAILURE() << "accepted";

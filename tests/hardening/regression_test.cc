@@ -16,8 +16,10 @@ TEST(FuzzFinding, ZeroRowsDoNotHideAnOverlongRow) {
   const std::int64_t zero_count = 0;
   const TensorView counts(&zero_count, DType::kInt64, {1, 1});
   RerouteInputs tokens_row{TensorView(nullptr, DType::kFloat32, {0, kHugeRow}), counts, {}, {}};
-  RerouteInputs scales_row{TensorView(nullptr, DType::kInt8, {0, 8}), counts,
-                           TensorView(nullptr, DType::kFloat32, {0, kHugeRow}), {}};
+  RerouteInputs scales_row{TensorView(nullptr, DType::kInt8, {0, 8}),
+                           counts,
+                           TensorView(nullptr, DType::kFloat32, {0, kHugeRow}),
+                           {}};
   InverseInputs inverse_row{TensorView(nullptr, DType::kInt64, {0, kHugeRow}), counts, {}, {}};
   const auto refused = [](const auto& plan, const std::string& message) {
     try {
@@ -35,8 +37,8 @@ TEST(FuzzFinding, ZeroRowsDoNotHideAnOverlongRow) {
   refused([&] { plan_inverse(inverse_row); },
           "tokens: [0, 4611686018427387904] overflows int64 bytes");
   // A long row that does fit is still fine with no rows.
-  RerouteInputs long_row{TensorView(nullptr, DType::kFloat32, {0, std::int64_t{1} << 40}), counts,
-                         {}, {}};
+  RerouteInputs long_row{
+      TensorView(nullptr, DType::kFloat32, {0, std::int64_t{1} << 40}), counts, {}, {}};
   EXPECT_EQ(plan_reroute(long_row).token_row_bytes, std::int64_t{1} << 42);
 }
 

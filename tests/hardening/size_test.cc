@@ -114,8 +114,8 @@ TEST(Large, TokensPast4GiBForwardAndBack) {
   const std::int64_t needed = std::int64_t{12} << 30;
   const std::int64_t available = available_memory();
   if (available < needed) {
-    GTEST_SKIP() << "needs 12 GiB of available memory, /proc/meminfo has "
-                 << available / (1 << 20) << " MiB";
+    GTEST_SKIP() << "needs 12 GiB of available memory, /proc/meminfo has " << available / (1 << 20)
+                 << " MiB";
   }
   ASSERT_GT(token_bytes, std::int64_t{1} << 32);
 
@@ -185,9 +185,9 @@ TEST(Large, TokensPast4GiBForwardAndBack) {
 
   // And back into the (re-poisoned) token buffer: every row where it began.
   std::memset(tokens.get(), 0xA5, static_cast<std::size_t>(token_bytes));
-  moe_re_routing_inverse({outputs.permute_tokens, inputs.expert_token_num_per_rank, std::nullopt,
-                          std::nullopt},
-                         {inputs.tokens, std::nullopt, std::nullopt});
+  moe_re_routing_inverse(
+      {outputs.permute_tokens, inputs.expert_token_num_per_rank, std::nullopt, std::nullopt},
+      {inputs.tokens, std::nullopt, std::nullopt});
   EXPECT_EQ(check_rows(tokens.get(), row_ids, sampled), "");
 }
 
