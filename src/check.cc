@@ -17,6 +17,33 @@ bool overlaps(const TensorView& a, const TensorView& b) {
 
 }  // namespace
 
+std::vector<NamedView> named_outputs(const RerouteOutputs& outputs) {
+  return {{"permute_tokens", &outputs.permute_tokens},
+          {"permute_per_token_scales", &outputs.permute_per_token_scales},
+          {"permute_token_idx", &outputs.permute_token_idx},
+          {"expert_token_num", &outputs.expert_token_num},
+          {"permute_topk_weight", &outputs.permute_topk_weight}};
+}
+
+std::vector<NamedView> named_outputs(const InverseInputs& inputs, const InverseOutputs& outputs) {
+  if (outputs.restored_per_token_scales.has_value() != inputs.per_token_scales.has_value()) {
+    fail(ErrorCode::kInvalidArgument,
+         "restored_per_token_scales: must be given exactly when per_token_scales is");
+  }
+  if (outputs.restored_topk_weight.has_value() != inputs.expert_topk_weight.has_value()) {
+    fail(ErrorCode::kInvalidArgument,
+         "restored_topk_weight: must be given exactly when expert_topk_weight is");
+  }
+  std::vector<NamedView> named = {{"restored_tokens", &outputs.restored_tokens}};
+  if (outputs.restored_per_token_scales) {
+    named.push_back({"restored_per_token_scales", &*outputs.restored_per_token_scales});
+  }
+  if (outputs.restored_topk_weight) {
+    named.push_back({"restored_topk_weight", &*outputs.restored_topk_weight});
+  }
+  return named;
+}
+
 void check_run_arguments(const std::vector<TensorSpec>& input_specs,
                          const std::vector<NamedView>& inputs,
                          const std::vector<TensorSpec>& output_specs,

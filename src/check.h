@@ -7,6 +7,8 @@
 #include <vector>
 
 #include "moe_reroute/error.h"
+#include "moe_reroute/export.h"
+#include "moe_reroute/reroute.h"
 #include "moe_reroute/tensor.h"
 
 namespace moe_reroute::detail {
@@ -17,7 +19,7 @@ namespace moe_reroute::detail {
 
 /// Bytes of `spec`; throws Error naming `name` for a negative dim or a size
 /// past int64.
-std::int64_t checked_nbytes(const TensorSpec& spec, const char* name);
+MOE_REROUTE_API std::int64_t checked_nbytes(const TensorSpec& spec, const char* name);
 
 /// Bytes of one dim-0 row: everything past dim 0.
 inline std::int64_t row_bytes(const TensorSpec& spec) {
@@ -35,10 +37,36 @@ struct NamedView {
   const TensorView* view;
 };
 
+/// The specs of the given inputs, in plan order: tokens, counts, scales?, weight?.
+template <typename Inputs>
+std::vector<TensorSpec> input_specs(const Inputs& inputs) {
+  std::vector<TensorSpec> specs = {inputs.tokens.spec, inputs.expert_token_num_per_rank.spec};
+  if (inputs.per_token_scales) specs.push_back(inputs.per_token_scales->spec);
+  if (inputs.expert_topk_weight) specs.push_back(inputs.expert_topk_weight->spec);
+  return specs;
+}
+
+/// The given inputs with their argument names, in plan order.
+template <typename Inputs>
+std::vector<NamedView> named_inputs(const Inputs& inputs) {
+  std::vector<NamedView> named = {{"tokens", &inputs.tokens},
+                                  {"expert_token_num_per_rank", &inputs.expert_token_num_per_rank}};
+  if (inputs.per_token_scales) named.push_back({"per_token_scales", &*inputs.per_token_scales});
+  if (inputs.expert_topk_weight) named.push_back({"expert_topk_weight", &*inputs.expert_topk_weight});
+  return named;
+}
+
+/// The forward's five outputs with their names, in struct order.
+MOE_REROUTE_API std::vector<NamedView> named_outputs(const RerouteOutputs& outputs);
+
+/// The inverse's outputs with their names; throws Error unless each optional
+/// output is given exactly when its input is.
+MOE_REROUTE_API std::vector<NamedView> named_outputs(const InverseInputs& inputs, const InverseOutputs& outputs);
+
 /// Rule 10 and the plan's contract: every input and output has the spec the
 /// plan holds for it, data is non-null where bytes are moved, and no output
 /// overlaps an input or another output. Throws Error.
-void check_run_arguments(const std::vector<TensorSpec>& input_specs,
+MOE_REROUTE_API void check_run_arguments(const std::vector<TensorSpec>& input_specs,
                          const std::vector<NamedView>& inputs,
                          const std::vector<TensorSpec>& output_specs,
                          const std::vector<NamedView>& outputs);

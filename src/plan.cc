@@ -180,15 +180,6 @@ std::vector<std::int64_t> read_counts(const TensorView& counts, std::int64_t num
   return values;
 }
 
-std::vector<TensorSpec> input_specs(const TensorView& tokens, const TensorView& counts,
-                                    const std::optional<TensorView>& scales,
-                                    const std::optional<TensorView>& weight) {
-  std::vector<TensorSpec> specs = {tokens.spec, counts.spec};
-  if (scales) specs.push_back(scales->spec);
-  if (weight) specs.push_back(weight->spec);
-  return specs;
-}
-
 // Fills the offsets, expert_token_num and the chunks in destination order, then
 // cuts them into one contiguous row range per thread. Every row costs the same
 // bytes, so equal row ranges are equal byte shares however skewed the counts.
@@ -370,8 +361,7 @@ Plan plan_reroute(const RerouteInputs& inputs, const Attributes& attributes, int
     plan.scale_row_bytes = detail::row_bytes(specs.permute_per_token_scales);
   }
   if (inputs.expert_topk_weight) plan.weight_row_bytes = sizeof(float);
-  plan.input_specs = input_specs(inputs.tokens, inputs.expert_token_num_per_rank,
-                                 inputs.per_token_scales, inputs.expert_topk_weight);
+  plan.input_specs = detail::input_specs(inputs);
   plan.output_specs = {specs.permute_tokens, specs.permute_per_token_scales,
                        specs.permute_token_idx, specs.expert_token_num, specs.permute_topk_weight};
   finish_plan(plan, counts, num_threads);
@@ -392,8 +382,7 @@ Plan plan_inverse(const InverseInputs& inputs, int num_threads) {
     plan.scale_row_bytes = detail::row_bytes(*specs.restored_per_token_scales);
   }
   if (inputs.expert_topk_weight) plan.weight_row_bytes = sizeof(float);
-  plan.input_specs = input_specs(inputs.tokens, inputs.expert_token_num_per_rank,
-                                 inputs.per_token_scales, inputs.expert_topk_weight);
+  plan.input_specs = detail::input_specs(inputs);
   plan.output_specs = {specs.restored_tokens};
   if (specs.restored_per_token_scales) plan.output_specs.push_back(*specs.restored_per_token_scales);
   if (specs.restored_topk_weight) plan.output_specs.push_back(*specs.restored_topk_weight);

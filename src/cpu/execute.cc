@@ -13,7 +13,6 @@
 namespace moe_reroute {
 namespace {
 
-using detail::NamedView;
 
 struct RowStream {
   const std::byte* src = nullptr;  // null: zero-fill the destination rows
@@ -59,29 +58,12 @@ void check_direction(const Plan& plan, Direction direction) {
   }
 }
 
-std::vector<NamedView> named_inputs(const TensorView& tokens, const TensorView& counts,
-                                    const std::optional<TensorView>& scales,
-                                    const std::optional<TensorView>& weight) {
-  std::vector<NamedView> inputs = {{"tokens", &tokens}, {"expert_token_num_per_rank", &counts}};
-  if (scales) inputs.push_back({"per_token_scales", &*scales});
-  if (weight) inputs.push_back({"expert_topk_weight", &*weight});
-  return inputs;
-}
-
 }  // namespace
 
 void run_reroute(const Plan& plan, const RerouteInputs& inputs, const RerouteOutputs& outputs) {
   check_direction(plan, Direction::kForward);
-  detail::check_run_arguments(
-      plan.input_specs,
-      named_inputs(inputs.tokens, inputs.expert_token_num_per_rank, inputs.per_token_scales,
-                   inputs.expert_topk_weight),
-      plan.output_specs,
-      {{"permute_tokens", &outputs.permute_tokens},
-       {"permute_per_token_scales", &outputs.permute_per_token_scales},
-       {"permute_token_idx", &outputs.permute_token_idx},
-       {"expert_token_num", &outputs.expert_token_num},
-       {"permute_topk_weight", &outputs.permute_topk_weight}});
+  detail::check_run_arguments(plan.input_specs, detail::named_inputs(inputs), plan.output_specs,
+                              detail::named_outputs(outputs));
 
   TensorView permute_tokens = outputs.permute_tokens;
   TensorView permute_scales = outputs.permute_per_token_scales;
@@ -120,26 +102,8 @@ void run_reroute(const Plan& plan, const RerouteInputs& inputs, const RerouteOut
 
 void run_inverse(const Plan& plan, const InverseInputs& inputs, const InverseOutputs& outputs) {
   check_direction(plan, Direction::kInverse);
-  std::vector<NamedView> named_outputs = {{"restored_tokens", &outputs.restored_tokens}};
-  if (outputs.restored_per_token_scales) {
-    named_outputs.push_back({"restored_per_token_scales", &*outputs.restored_per_token_scales});
-  }
-  if (outputs.restored_topk_weight) {
-    named_outputs.push_back({"restored_topk_weight", &*outputs.restored_topk_weight});
-  }
-  if (outputs.restored_per_token_scales.has_value() != inputs.per_token_scales.has_value()) {
-    detail::fail(ErrorCode::kInvalidArgument,
-                 "restored_per_token_scales: must be given exactly when per_token_scales is");
-  }
-  if (outputs.restored_topk_weight.has_value() != inputs.expert_topk_weight.has_value()) {
-    detail::fail(ErrorCode::kInvalidArgument,
-                 "restored_topk_weight: must be given exactly when expert_topk_weight is");
-  }
-  detail::check_run_arguments(
-      plan.input_specs,
-      named_inputs(inputs.tokens, inputs.expert_token_num_per_rank, inputs.per_token_scales,
-                   inputs.expert_topk_weight),
-      plan.output_specs, named_outputs);
+  detail::check_run_arguments(plan.input_specs, detail::named_inputs(inputs), plan.output_specs,
+                              detail::named_outputs(inputs, outputs));
 
   InverseOutputs out = outputs;
   const RowStream tokens = stream(&inputs.tokens, &out.restored_tokens, plan.token_row_bytes);

@@ -17,25 +17,11 @@ namespace moe_reroute::cuda {
 namespace {
 
 using moe_reroute::detail::fail;
+using moe_reroute::detail::input_specs;
+using moe_reroute::detail::named_inputs;
+using moe_reroute::detail::named_outputs;
 using moe_reroute::detail::NamedView;
 using moe_reroute::detail::row_bytes;
-
-template <typename Inputs>
-std::vector<TensorSpec> input_specs(const Inputs& inputs) {
-  std::vector<TensorSpec> specs = {inputs.tokens.spec, inputs.expert_token_num_per_rank.spec};
-  if (inputs.per_token_scales) specs.push_back(inputs.per_token_scales->spec);
-  if (inputs.expert_topk_weight) specs.push_back(inputs.expert_topk_weight->spec);
-  return specs;
-}
-
-template <typename Inputs>
-std::vector<NamedView> named_inputs(const Inputs& inputs) {
-  std::vector<NamedView> named = {{"tokens", &inputs.tokens},
-                                  {"expert_token_num_per_rank", &inputs.expert_token_num_per_rank}};
-  if (inputs.per_token_scales) named.push_back({"per_token_scales", &*inputs.per_token_scales});
-  if (inputs.expert_topk_weight) named.push_back({"expert_topk_weight", &*inputs.expert_topk_weight});
-  return named;
-}
 
 void check_aligned(const void* data, std::int64_t alignment, const std::string& name) {
   if (reinterpret_cast<std::uintptr_t>(data) % static_cast<std::uintptr_t>(alignment) != 0) {
@@ -69,6 +55,12 @@ ContextViews context_views(const DeviceContext& context, const TensorView& count
   check_aligned(context.workspace, sizeof(std::int64_t), "workspace");
   return {TensorView(context.status, DType::kInt32, {1}),
           TensorView(context.workspace, DType::kUInt8, {static_cast<std::int64_t>(needed)})};
+}
+
+// The outputs followed by the status word and the workspace.
+std::vector<NamedView> with_context(std::vector<NamedView> outputs, const ContextViews& views) {
+  outputs.insert(outputs.end(), {{"status", &views.status}, {"workspace", &views.workspace}});
+  return outputs;
 }
 
 void check_cuda(cudaError_t error, const char* what) {
@@ -130,13 +122,7 @@ void moe_re_routing(const RerouteInputs& inputs, const RerouteOutputs& outputs,
       {specs.permute_tokens, specs.permute_per_token_scales, specs.permute_token_idx,
        specs.expert_token_num, specs.permute_topk_weight, views.status.spec,
        views.workspace.spec},
-      {{"permute_tokens", &outputs.permute_tokens},
-       {"permute_per_token_scales", &outputs.permute_per_token_scales},
-       {"permute_token_idx", &outputs.permute_token_idx},
-       {"expert_token_num", &outputs.expert_token_num},
-       {"permute_topk_weight", &outputs.permute_topk_weight},
-       {"status", &views.status},
-       {"workspace", &views.workspace}});
+      with_context(named_outputs(outputs), views));
   check_element_aligned(inputs.expert_token_num_per_rank, "expert_token_num_per_rank");
   check_element_aligned(outputs.permute_token_idx, "permute_token_idx");
   check_element_aligned(outputs.expert_token_num, "expert_token_num");
@@ -160,30 +146,14 @@ void moe_re_routing(const RerouteInputs& inputs, const RerouteOutputs& outputs,
 void moe_re_routing_inverse(const InverseInputs& inputs, const InverseOutputs& outputs,
                             const DeviceContext& context) {
   const InverseOutputSpecs specs = infer_inverse(inputs);
-  if (outputs.restored_per_token_scales.has_value() != inputs.per_token_scales.has_value()) {
-    fail(ErrorCode::kInvalidArgument,
-         "restored_per_token_scales: must be given exactly when per_token_scales is");
-  }
-  if (outputs.restored_topk_weight.has_value() != inputs.expert_topk_weight.has_value()) {
-    fail(ErrorCode::kInvalidArgument,
-         "restored_topk_weight: must be given exactly when expert_topk_weight is");
-  }
+  std::vector<NamedView> outputs_named = named_outputs(inputs, outputs);
   const ContextViews views = context_views(context, inputs.expert_token_num_per_rank);
   std::vector<TensorSpec> output_specs = {specs.restored_tokens};
-  std::vector<NamedView> named_outputs = {{"restored_tokens", &outputs.restored_tokens}};
-  if (specs.restored_per_token_scales) {
-    output_specs.push_back(*specs.restored_per_token_scales);
-    named_outputs.push_back({"restored_per_token_scales", &*outputs.restored_per_token_scales});
-  }
-  if (specs.restored_topk_weight) {
-    output_specs.push_back(*specs.restored_topk_weight);
-    named_outputs.push_back({"restored_topk_weight", &*outputs.restored_topk_weight});
-  }
+  if (specs.restored_per_token_scales) output_specs.push_back(*specs.restored_per_token_scales);
+  if (specs.restored_topk_weight) output_specs.push_back(*specs.restored_topk_weight);
   output_specs.insert(output_specs.end(), {views.status.spec, views.workspace.spec});
-  named_outputs.insert(named_outputs.end(),
-                       {{"status", &views.status}, {"workspace", &views.workspace}});
   moe_reroute::detail::check_run_arguments(input_specs(inputs), named_inputs(inputs),
-                                           output_specs, named_outputs);
+                                           output_specs, with_context(outputs_named, views));
   check_element_aligned(inputs.expert_token_num_per_rank, "expert_token_num_per_rank");
 
   detail::MoveParams move;
