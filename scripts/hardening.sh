@@ -18,7 +18,7 @@ jobs=${MOE_REROUTE_JOBS:-$(nproc)}
 fuzz_targets=(reroute inverse npy)
 
 # Everything the top level builds with tests on, minus CUDA and Python.
-common_flags=(-G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOE_REROUTE_BUILD_TESTS=ON
+common_flags=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DMOE_REROUTE_BUILD_TESTS=ON
               -DMOE_REROUTE_CUDA=OFF -DMOE_REROUTE_BUILD_PYTHON=OFF -DMOE_REROUTE_INSTALL=OFF)
 
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:strict_string_checks=1:check_initialization_order=1}

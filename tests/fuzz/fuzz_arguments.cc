@@ -233,14 +233,9 @@ testing::ReferenceInputs reference_inputs(const Arguments& arguments, const Buff
 
 void require_equal(const char* name, const std::vector<std::byte>& got, const void* expected,
                    std::size_t expected_bytes) {
-  require(got.size() == expected_bytes, std::string(name) + ": " + std::to_string(got.size()) +
-                                            " bytes, the reference has " +
-                                            std::to_string(expected_bytes));
-  if (got.empty() || std::memcmp(got.data(), expected, got.size()) == 0) return;
-  const auto* want = static_cast<const std::byte*>(expected);
-  std::size_t i = 0;
-  while (got[i] == want[i]) ++i;
-  require(false, std::string(name) + ": byte " + std::to_string(i) + " differs from the reference");
+  const std::string difference = testing::first_difference(
+      name, got, static_cast<const std::byte*>(expected), expected_bytes);
+  require(difference.empty(), difference + " (reference)");
 }
 
 void require_plan_tiles(const Plan& plan) {

@@ -53,12 +53,14 @@ struct Buffers {
   Inputs inputs(const Arguments& arguments) {
     Inputs in{TensorView(tokens.data(), arguments.tokens.dtype(), arguments.tokens.shape()),
               arguments.counts, std::nullopt, std::nullopt};
-    if (arguments.scales)
+    if (arguments.scales) {
       in.per_token_scales =
           TensorView(scales.data(), arguments.scales->dtype(), arguments.scales->shape());
-    if (arguments.weight)
+    }
+    if (arguments.weight) {
       in.expert_topk_weight =
           TensorView(weight.data(), arguments.weight->dtype(), arguments.weight->shape());
+    }
     return in;
   }
   /// Views of the outputs, with `output_specs`.
