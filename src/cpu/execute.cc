@@ -8,16 +8,17 @@
 #include <cstring>
 
 #include "../check.h"
+#include "copy.h"
 #include "moe_reroute/reroute.h"
 
 namespace moe_reroute {
 namespace {
 
-
 struct RowStream {
   const std::byte* src = nullptr;  // null: zero-fill the destination rows
   std::byte* dst = nullptr;
   std::int64_t row_bytes = 0;
+  bool streaming = false;  // write around the cache (see copy_bytes)
 
   void move(const Chunk& chunk) const {
     if (row_bytes == 0) return;
@@ -26,15 +27,22 @@ struct RowStream {
     if (src == nullptr) {
       std::memset(to, 0, bytes);
     } else {
-      std::memcpy(to, src + chunk.src_row * row_bytes, bytes);
+      detail::copy_bytes(to, src + chunk.src_row * row_bytes, bytes, streaming);
     }
   }
 };
 
-RowStream stream(const TensorView* src, TensorView* dst, std::int64_t row_bytes) {
+// Streams once the rows read plus written outgrow the last-level cache: then
+// the output would not be in the cache for its reader anyway.
+bool streaming(const Plan& plan) {
+  return 2 * plan.num_tokens * plan.bytes_per_row() > detail::last_level_cache_bytes();
+}
+
+RowStream stream(const Plan& plan, const TensorView* src, TensorView* dst,
+                 std::int64_t row_bytes) {
   if (dst == nullptr) return {};
   return {src ? static_cast<const std::byte*>(src->data) : nullptr,
-          static_cast<std::byte*>(dst->data), row_bytes};
+          static_cast<std::byte*>(dst->data), row_bytes, streaming(plan)};
 }
 
 // Runs `body(chunk)` over every chunk of the plan, one planned slice per thread.
@@ -46,6 +54,7 @@ void for_each_chunk(const Plan& plan, const Body& body) {
     for (std::int64_t c = plan.thread_begin[t]; c < plan.thread_begin[t + 1]; ++c) {
       body(plan.chunks[static_cast<std::size_t>(c)]);
     }
+    detail::stream_fence();
   }
 }
 
@@ -68,13 +77,13 @@ void run_reroute(const Plan& plan, const RerouteInputs& inputs, const RerouteOut
   TensorView permute_tokens = outputs.permute_tokens;
   TensorView permute_scales = outputs.permute_per_token_scales;
   TensorView permute_weight = outputs.permute_topk_weight;
-  const RowStream tokens = stream(&inputs.tokens, &permute_tokens, plan.token_row_bytes);
+  const RowStream tokens = stream(plan, &inputs.tokens, &permute_tokens, plan.token_row_bytes);
   const RowStream scales =
       inputs.per_token_scales
-          ? stream(&*inputs.per_token_scales, &permute_scales, plan.scale_row_bytes)
-          : stream(nullptr, &permute_scales, sizeof(float));
+          ? stream(plan, &*inputs.per_token_scales, &permute_scales, plan.scale_row_bytes)
+          : stream(plan, nullptr, &permute_scales, sizeof(float));
   const RowStream weight = inputs.expert_topk_weight
-                               ? stream(&*inputs.expert_topk_weight, &permute_weight,
+                               ? stream(plan, &*inputs.expert_topk_weight, &permute_weight,
                                         plan.weight_row_bytes)
                                : RowStream{};
   auto* index = static_cast<std::int32_t*>(outputs.permute_token_idx.data);
@@ -106,13 +115,13 @@ void run_inverse(const Plan& plan, const InverseInputs& inputs, const InverseOut
                               detail::named_outputs(inputs, outputs));
 
   InverseOutputs out = outputs;
-  const RowStream tokens = stream(&inputs.tokens, &out.restored_tokens, plan.token_row_bytes);
+  const RowStream tokens = stream(plan, &inputs.tokens, &out.restored_tokens, plan.token_row_bytes);
   const RowStream scales =
       inputs.per_token_scales
-          ? stream(&*inputs.per_token_scales, &*out.restored_per_token_scales, plan.scale_row_bytes)
+          ? stream(plan, &*inputs.per_token_scales, &*out.restored_per_token_scales, plan.scale_row_bytes)
           : RowStream{};
   const RowStream weight = inputs.expert_topk_weight
-                               ? stream(&*inputs.expert_topk_weight, &*out.restored_topk_weight,
+                               ? stream(plan, &*inputs.expert_topk_weight, &*out.restored_topk_weight,
                                         plan.weight_row_bytes)
                                : RowStream{};
   for_each_chunk(plan, [&](const Chunk& chunk) {
