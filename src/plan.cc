@@ -180,8 +180,8 @@ std::vector<std::int64_t> read_counts(const TensorView& counts, std::int64_t num
   return values;
 }
 
-// Fills the offsets, expert_token_num and the chunks in destination order, then
-// cuts them into one contiguous row range per thread. Every row costs the same
+// Fills the offsets, expert_token_num and the chunks: the blocks in destination
+// order, cut into one contiguous row range per thread. Every row costs the same
 // bytes, so equal row ranges are equal byte shares however skewed the counts.
 void finish_plan(Plan& plan, const std::vector<std::int64_t>& counts, int num_threads) {
   const std::int64_t num_ranks = plan.num_ranks;
@@ -210,53 +210,47 @@ void finish_plan(Plan& plan, const std::vector<std::int64_t>& counts, int num_th
         cumsum ? row : row - plan.dst_offset[block(0, e)];
   }
 
-  // Blocks in the order their destination rows are written.
-  std::vector<Chunk> blocks;
-  blocks.reserve(counts.size());
-  const bool forward = plan.direction == Direction::kForward;
-  const std::int64_t outer = forward ? num_experts : num_ranks;
-  const std::int64_t inner = forward ? num_ranks : num_experts;
-  for (std::int64_t o = 0; o < outer; ++o) {
-    for (std::int64_t i = 0; i < inner; ++i) {
-      const std::size_t b = forward ? block(i, o) : block(o, i);
-      if (counts[b] == 0) continue;
-      const std::int64_t expert_row = plan.dst_offset[b];
-      const std::int64_t rank_row = plan.src_offset[b];
-      blocks.push_back(forward ? Chunk{rank_row, expert_row, counts[b]}
-                               : Chunk{expert_row, rank_row, counts[b]});
-    }
-  }
-
   const std::int64_t num_tokens = plan.num_tokens;
   const std::int64_t total_bytes = num_tokens * plan.bytes_per_row();
   const std::int64_t requested = num_threads > 0 ? num_threads : hardware_threads();
   const std::int64_t useful = std::max<std::int64_t>(1, total_bytes / kMinBytesPerThread);
   const std::int64_t threads = std::max<std::int64_t>(
       1, std::min({requested, useful, std::max<std::int64_t>(num_tokens, 1)}));
+  const auto end_row = [num_tokens, threads](std::int64_t t) {
+    return num_tokens / threads * (t + 1) + std::min<std::int64_t>(t + 1, num_tokens % threads);
+  };
 
+  // One pass over the blocks in the order their destination rows are written,
+  // cutting a block wherever a thread's row range ends.
   plan.chunks.clear();
-  plan.chunks.reserve(blocks.size() + static_cast<std::size_t>(threads));
+  plan.chunks.reserve(counts.size() + static_cast<std::size_t>(threads));
   plan.thread_begin.reserve(static_cast<std::size_t>(threads) + 1);
   plan.thread_begin.assign(1, 0);
-  std::size_t next = 0;
-  std::int64_t taken = 0;  // rows of blocks[next] already given to earlier threads
-  for (std::int64_t t = 0; t < threads; ++t) {
-    const std::int64_t end_row = num_tokens / threads * (t + 1) +
-                                 std::min<std::int64_t>(t + 1, num_tokens % threads);
-    while (next < blocks.size()) {
-      const Chunk& b = blocks[next];
-      const std::int64_t first = b.dst_row + taken;
-      const std::int64_t rows = std::min(b.num_rows - taken, end_row - first);
-      if (rows <= 0) break;
-      plan.chunks.push_back({b.src_row + taken, first, rows});
-      taken += rows;
-      if (taken == b.num_rows) {
-        ++next;
-        taken = 0;
+  const bool forward = plan.direction == Direction::kForward;
+  const std::int64_t outer = forward ? num_experts : num_ranks;
+  const std::int64_t inner = forward ? num_ranks : num_experts;
+  std::int64_t thread_end = end_row(0);
+  for (std::int64_t o = 0; o < outer; ++o) {
+    for (std::int64_t i = 0; i < inner; ++i) {
+      const std::size_t b = forward ? block(i, o) : block(o, i);
+      const std::int64_t expert_row = plan.dst_offset[b];
+      const std::int64_t rank_row = plan.src_offset[b];
+      const std::int64_t src_row = forward ? rank_row : expert_row;
+      const std::int64_t dst_row = forward ? expert_row : rank_row;
+      for (std::int64_t taken = 0; taken < counts[b];) {
+        const std::int64_t rows = std::min(counts[b] - taken, thread_end - (dst_row + taken));
+        plan.chunks.push_back({src_row + taken, dst_row + taken, rows});
+        taken += rows;
+        if (dst_row + taken == thread_end) {
+          plan.thread_begin.push_back(static_cast<std::int64_t>(plan.chunks.size()));
+          thread_end = end_row(static_cast<std::int64_t>(plan.thread_begin.size()) - 1);
+        }
       }
     }
-    plan.thread_begin.push_back(static_cast<std::int64_t>(plan.chunks.size()));
   }
+  // A = 0: the one thread has no chunks.
+  plan.thread_begin.resize(static_cast<std::size_t>(threads) + 1,
+                           static_cast<std::int64_t>(plan.chunks.size()));
 }
 
 }  // namespace
