@@ -10,6 +10,7 @@ tokens, 16 x 16 counts, float32 scales and weights. Prints medians and ratios.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -40,14 +41,19 @@ def megatron_unfused(tokens, counts, scales, weight):
                  for chunks in (torch.split(t, split) for t in (tokens, scales, weight)))
 
 
-def median_us(fn, repeats):
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def medians_us(fns, repeats):
+    """name -> median microseconds of fns[name](), the contenders interleaved
+    call by call so that a change in the machine's load hits all of them."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    times = {name: [] for name in fns}
+    clock = time.perf_counter_ns
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = clock()
+            fn()
+            times[name].append(clock() - start)
+    return {name: statistics.median(t) / 1e3 for name, t in times.items()}
 
 
 def methods(tokens, counts, scales, weight):
@@ -96,10 +102,11 @@ def run(label, num_tokens, hidden, repeats):
         if name.startswith("clone") or name.startswith("copy_"):
             continue
         check(name, fn(), pick, expected)
-    times = {name: median_us(fn, repeats) for name, (fn, _) in table.items()}
+    times = medians_us({name: fn for name, (fn, _) in table.items()}, repeats)
     megabytes = sum(t.numel() * t.element_size() for t in (inputs[0], inputs[2], inputs[3])) / 1e6
     print(f"\n{label}: A={num_tokens} H={hidden} int8, counts {NUM_RANKS}x{NUM_EXPERTS}, "
-          f"{megabytes:.1f} MB moved, median of {repeats}")
+          f"{megabytes:.1f} MB moved, median of {repeats}, "
+          f"load average {os.getloadavg()[0]:.2f}")
     print(f"| {'method':<22} | {'median us':>10} | {'x clone':>8} | {'x copy_':>8} "
           f"| {'x index_select':>14} |")
     print(f"|{'-' * 24}|{'-' * 12}|{'-' * 10}|{'-' * 10}|{'-' * 16}|")
@@ -110,26 +117,33 @@ def run(label, num_tokens, hidden, repeats):
 
 
 def overhead(repeats):
-    """Per-call cost on a tiny input: Python, dispatch and the core's fixed cost."""
-    tokens, counts, scales, weight = workload(16, 8)
+    """Per-call cost on one token (A = 1, H = 8): Python, dispatch, allocation
+    and the core's fixed cost, beside torch's own per-call costs and a pure
+    Python loop that says how fast this machine runs Python."""
+    tokens, counts, scales, weight = workload(1, 8)
     kwargs = dict(per_token_scales=scales, expert_topk_weight=weight)
     out = moe_reroute.moe_re_routing(tokens, counts, **kwargs)
+    index = out[2].long()
     np_args = [t.numpy() for t in (tokens, counts)]
     np_kwargs = {k: v.numpy() for k, v in kwargs.items()}
     rows = {
         "moe_reroute (torch)": lambda: moe_reroute.moe_re_routing(tokens, counts, **kwargs),
         "moe_reroute out= (torch)": lambda: moe_reroute.moe_re_routing(tokens, counts, **kwargs,
                                                                        out=out),
+        "inverse (torch)": lambda: moe_reroute.moe_re_routing_inverse(out[0], counts, **kwargs),
         "moe_reroute (numpy)": lambda: moe_reroute.moe_re_routing(*np_args, **np_kwargs),
-        "5 x torch.empty": lambda: [torch.empty_like(t) for t in out],
-        "3 x torch.index_select": lambda: [torch.index_select(t, 0, out[2].long())
+        "5 x torch.empty_like": lambda: [torch.empty_like(t) for t in out],
+        "3 x torch.index_select": lambda: [torch.index_select(t, 0, index)
                                            for t in (tokens, scales, weight)],
+        "python sum(range(100))": lambda: sum(range(100)),
     }
-    print(f"\nper-call overhead: A=16 H=8, median of {repeats}")
+    times = medians_us(rows, repeats)
+    print(f"\nper-call overhead: A=1 H=8 int8, counts {NUM_RANKS}x{NUM_EXPERTS}, "
+          f"median of {repeats}, load average {os.getloadavg()[0]:.2f}")
     print(f"| {'call':<26} | {'median us':>10} |")
     print(f"|{'-' * 28}|{'-' * 12}|")
-    for name, fn in rows.items():
-        print(f"| {name:<26} | {median_us(fn, repeats):>10.1f} |")
+    for name, us in times.items():
+        print(f"| {name:<26} | {us:>10.1f} |")
 
 
 def main():
@@ -142,7 +156,7 @@ def main():
           f"core threads {moe_reroute._core.hardware_threads()}")
     run("decode", 256, args.hidden, max(args.repeats, 30))
     run("prefill", 16384, args.hidden, args.repeats)
-    overhead(1000)
+    overhead(max(args.repeats, 5000))
 
 
 if __name__ == "__main__":

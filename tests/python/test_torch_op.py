@@ -180,3 +180,26 @@ def test_inverse_backward_is_the_forward_reorder():
     assert torch.equal(tokens.grad, forward[0])
     assert torch.equal(weight.grad, forward[4])
 
+
+
+def test_out_bumps_the_version_of_each_output():
+    tokens, counts, scales, weight = workload(20, seed=8)
+    out = [torch.empty_like(t) for t in moe_reroute.moe_re_routing(
+        tokens, counts, per_token_scales=scales, expert_topk_weight=weight)]
+    versions = [t._version for t in out]
+    moe_reroute.moe_re_routing(tokens, counts, per_token_scales=scales, expert_topk_weight=weight,
+                               out=out)
+    assert all(t._version > v for t, v in zip(out, versions))
+
+
+def test_no_grad_call_on_grad_inputs_records_no_graph():
+    tokens, counts, scales, weight = workload(20, seed=9, tokens_dtype=torch.float32,
+                                              requires_grad=True)
+    with torch.no_grad():
+        outputs = moe_reroute.moe_re_routing(tokens, counts, per_token_scales=scales,
+                                             expert_topk_weight=weight)
+    with_grad = moe_reroute.moe_re_routing(tokens, counts, per_token_scales=scales,
+                                           expert_topk_weight=weight)
+    assert not any(t.requires_grad for t in outputs)
+    assert with_grad[0].grad_fn is not None
+    assert_bitwise_equal(outputs, with_grad)
