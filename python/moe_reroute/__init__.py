@@ -20,12 +20,24 @@ if importlib.util.find_spec("torch") is not None:
 else:
     _torch = None
 
-__all__ = ["__version__", "dtype_table", "moe_re_routing", "moe_re_routing_inverse"]
+__all__ = ["__version__", "dtype_table", "moe_re_routing", "moe_re_routing_inverse",
+           "set_cuda_status_check"]
 
 
 def dtype_table() -> list[dict]:
     """The core's dtype table: name, bits, npy_storage, torch_name, roles."""
     return [dict(row) for row in _bridge.TABLE]
+
+
+def set_cuda_status_check(mode: str) -> str:
+    """Sets what a call on CUDA tensors does with its device status word (bad
+    counts are found on the device) and returns the previous mode: "raise"
+    (default; one host sync per call, ValueError naming the argument; under
+    CUDA graph capture "assert" instead), "assert" (torch._assert_async, no
+    sync; a bad count then poisons the CUDA context) or "off" (no check)."""
+    if _torch is None:
+        raise RuntimeError("set_cuda_status_check: torch is not installed")
+    return _torch.set_cuda_status_check(mode)
 
 
 def _is_torch(array) -> bool:

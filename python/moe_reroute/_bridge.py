@@ -91,23 +91,24 @@ def core_array(fw: Framework, array, arg: str, name: str | None = None, name_arg
     if not row or not named:
         raise TypeError(f"{arg}: dtype {own} is not supported")
     if name is not None and name != row:
-        raise TypeError(f"{name_arg}: '{name}' names the dtype of uint8 storage, but {arg} is {own}")
+        raise TypeError(f"{name_arg}: '{name}' names the dtype of uint8 storage, "
+                        f"but {arg} is {own}")
     return fw.export(fw.unsigned_view(array)), row
 
 
-def _dim(array, d: int) -> int:
+def dim(array, d: int) -> int:
     """Dim d, or 0 where the array has too few dims (the core then refuses it)."""
     return array.shape[d] if array.ndim > d else 0
 
 
 def allocate_reroute(fw: Framework, tokens, counts, scales, weight) -> tuple:
     """Empty outputs of the forward, shaped as SPEC section 4 infers them."""
-    num_tokens = _dim(tokens, 0)
+    num_tokens = dim(tokens, 0)
     return (
         fw.empty_like(tokens),
         fw.empty((num_tokens,), fw.float32, tokens) if scales is None else fw.empty_like(scales),
         fw.empty((num_tokens,), fw.int32, tokens),
-        fw.empty((_dim(counts, 1),), counts.dtype, tokens),
+        fw.empty((dim(counts, 1),), counts.dtype, tokens),
         fw.empty((0,), fw.float32, tokens) if weight is None else fw.empty_like(weight),
     )
 

@@ -15,6 +15,12 @@ torch.library.custom_op, whose Python wrappers cost more than the kernel at
 decode sizes); they hand the tensors' memory to the core as DLPack capsules
 (inputs that are not contiguous are copied first). The fake kernels allocate
 by SPEC section 4.
+
+CUDA tensors go to the CUDA backend when the module has it (``_core.has_cuda``):
+on the current stream of tokens' device, with a per-call scratch tensor (the
+status word and the workspace) from the caching allocator, so that the call
+is graph-capturable. The counts live on the device, so a bad count is reported
+in the status word, which ``set_cuda_status_check`` says what to do with.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import functools
 import torch
 import torch.utils.dlpack
 
-from . import _bridge
+from . import _bridge, _core
 
 
 class TorchFramework(_bridge.Framework):
@@ -76,6 +82,66 @@ _INVERSE = torch.ops.moe_reroute.moe_re_routing_inverse.default
 # Positions of the five outputs in the out= schema.
 _OUT_SLICE = slice(2, 7)
 
+STATUS_CHECKS = ("raise", "assert", "off")
+_status_check = "raise"
+
+
+def set_cuda_status_check(mode: str) -> str:
+    """Sets what a CUDA call does with its status word; returns the previous mode.
+
+    "raise" (the default): read it after the call (one host synchronisation)
+    and raise ValueError naming the argument when the counts were bad; under
+    CUDA graph capture or torch.compile tracing, where no host sync is allowed,
+    "assert" instead. "assert": torch._assert_async, no host sync; a bad count
+    is then a device-side assert, which leaves the CUDA context unusable.
+    "off": no check; with bad counts the outputs are unspecified.
+    """
+    global _status_check
+    if mode not in STATUS_CHECKS:
+        raise ValueError(f"mode: must be one of {', '.join(STATUS_CHECKS)}; got {mode!r}")
+    previous, _status_check = _status_check, mode
+    return previous
+
+
+def status_action(mode: str, capturing: bool, compiling: bool) -> str:
+    """What a CUDA call does with its status word under `mode`: "raise",
+    "assert" or "off"."""
+    return "assert" if mode == "raise" and (capturing or compiling) else mode
+
+
+def _check_status(status: Tensor) -> None:
+    """Acts on the status word (a one-element int32 CUDA tensor) of the call just enqueued."""
+    action = status_action(_status_check, torch.cuda.is_current_stream_capturing(),
+                           torch.compiler.is_compiling())
+    if action == "assert":
+        torch._assert_async(status == 0, "moe_reroute: expert_token_num_per_rank: some count "
+                                         "is negative or the counts do not sum to A")
+    elif action == "raise":
+        value = int(status.item())
+        if value:
+            raise ValueError(_core.cuda_status_message(value))
+
+
+def backend(is_cuda: bool) -> str:
+    """The backend a call runs, by whether tokens is a CUDA tensor: "cuda"
+    where the module has it, else "cpu" (whose core module then names any
+    tensor on another device)."""
+    return "cuda" if is_cuda and _core.has_cuda else "cpu"
+
+
+def _run(cpu, cuda_name: str, tokens: Tensor, counts: Tensor, args: tuple) -> None:
+    """Runs `args` (the core module's arguments) on tokens' backend: `cpu`, or
+    the module's `cuda_name` on the current stream with a fresh scratch tensor."""
+    if backend(tokens.is_cuda) == "cpu":
+        cpu(*args)
+        return
+    with torch.cuda.device(tokens.device):
+        scratch_bytes = _core.cuda_scratch_bytes(_bridge.dim(counts, 0), _bridge.dim(counts, 1))
+        scratch = torch.empty(scratch_bytes // 4, dtype=torch.int32, device=tokens.device)
+        getattr(_core, cuda_name)(*args, torch.cuda.current_stream().cuda_stream,
+                                  TORCH.export(scratch))
+        _check_status(scratch[0])
+
 
 def _reroute_kernel(tokens, expert_token_num_per_rank, per_token_scales=None,
                     expert_topk_weight=None, expert_token_num_type=1, idx_type=0,
@@ -83,7 +149,9 @@ def _reroute_kernel(tokens, expert_token_num_per_rank, per_token_scales=None,
     inputs = _bridge.contiguous_inputs(TORCH, tokens, expert_token_num_per_rank,
                                        per_token_scales, expert_topk_weight)
     outputs = _bridge.allocate_reroute(TORCH, *inputs)
-    _bridge.run_reroute(TORCH, *inputs, outputs, expert_token_num_type, idx_type, tokens_dtype)
+    _run(_core.reroute, "reroute_cuda", inputs[0], inputs[1],
+         _bridge.reroute_args(TORCH, *inputs, outputs, expert_token_num_type, idx_type,
+                              tokens_dtype))
     return outputs
 
 
@@ -95,7 +163,9 @@ def _reroute_out_kernel(tokens, expert_token_num_per_rank, permute_tokens,
                                        per_token_scales, expert_topk_weight)
     outputs = (permute_tokens, permute_per_token_scales, permute_token_idx, expert_token_num,
                permute_topk_weight)
-    _bridge.run_reroute(TORCH, *inputs, outputs, expert_token_num_type, idx_type, tokens_dtype)
+    _run(_core.reroute, "reroute_cuda", inputs[0], inputs[1],
+         _bridge.reroute_args(TORCH, *inputs, outputs, expert_token_num_type, idx_type,
+                              tokens_dtype))
 
 
 def _inverse_kernel(tokens, expert_token_num_per_rank, per_token_scales=None,
@@ -103,7 +173,8 @@ def _inverse_kernel(tokens, expert_token_num_per_rank, per_token_scales=None,
     inputs = _bridge.contiguous_inputs(TORCH, tokens, expert_token_num_per_rank,
                                        per_token_scales, expert_topk_weight)
     outputs = _bridge.allocate_inverse(TORCH, inputs[0], inputs[2], inputs[3])
-    _bridge.run_inverse(TORCH, *inputs, outputs, tokens_dtype)
+    _run(_core.inverse, "inverse_cuda", inputs[0], inputs[1],
+         _bridge.inverse_args(TORCH, *inputs, outputs, tokens_dtype))
     return _with_empty_absent(tokens, outputs)
 
 
@@ -171,6 +242,7 @@ for _name, _kernel, _fake in (("moe_re_routing", _reroute_kernel, _reroute_fake)
                               ("moe_re_routing_out", _reroute_out_kernel, _reroute_out_fake),
                               ("moe_re_routing_inverse", _inverse_kernel, _inverse_fake)):
     _LIB.impl(_name, _kernel, "CPU")
+    _LIB.impl(_name, _kernel, "CUDA")
     torch.library.register_fake(f"moe_reroute::{_name}", _fake, lib=_LIB)
 torch.library.register_autograd("moe_reroute::moe_re_routing", _reroute_backward,
                                 setup_context=_setup, lib=_LIB)

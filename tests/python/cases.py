@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
 import torch
 
+import reference
 from reference import POISON, random_bytes
 
 FRAMEWORKS = ("numpy", "torch")
@@ -106,3 +108,49 @@ def counts_array(framework: str, counts: np.ndarray):
 
 def array_type(framework: str):
     return np.ndarray if framework == "numpy" else torch.Tensor
+
+
+def seeded(*labels) -> np.random.Generator:
+    """A generator seeded by the test's labels, so every case has its own data."""
+    return np.random.default_rng(zlib.crc32("/".join(labels).encode()))
+
+
+def make_inputs(framework, case, rng, trial):
+    """(counts, tokens, scales, weight) of trial `trial`: A = 0 first, H = 7168
+    second, the scale case and weight layout cycling with the trial."""
+    num_tokens = 0 if trial == 0 else None
+    counts = reference.random_counts(rng, num_tokens, np.int32 if trial % 2 else np.int64)
+    num_tokens = int(counts.sum())
+    hidden = 2 * int(rng.integers(1, 20)) if trial != 1 else 7168
+    element_bytes = max(1, case.bits // 8)  # FP4 storage: one byte per two elements
+    columns = hidden * case.bits // 8 // element_bytes
+    tokens = random_array(framework, rng, case.dtype(framework), (num_tokens, columns),
+                          element_bytes)
+    scale_case = SCALE_CASES[trial % len(SCALE_CASES) if trial else rng.integers(len(SCALE_CASES))]
+    scales = None
+    if scale_case is not None:
+        scales = random_array(framework, rng, scale_case.numpy_dtype if framework == "numpy"
+                              else scale_case.torch_dtype, (num_tokens, *scale_case.trailing),
+                              scale_case.itemsize)
+    weight_shape = [None, (num_tokens, 1), (num_tokens,)][trial % 3]
+    weight = None if weight_shape is None else random_array(
+        framework, rng, framework_dtype(framework, "float32"), weight_shape, 4)
+    return counts, tokens, scales, weight
+
+
+def poisoned_outputs(framework, tokens, counts, scales, weight):
+    """Outputs with the SPEC section 4 specs, every byte POISON."""
+    f32, i32 = framework_dtype(framework, "float32"), framework_dtype(framework, "int32")
+    num_tokens = tokens.shape[0]
+
+    def like(array):
+        itemsize = array.itemsize if framework == "numpy" else array.element_size()
+        return poisoned(framework, array.dtype, tuple(array.shape), itemsize)
+
+    return [
+        like(tokens),
+        like(scales) if scales is not None else poisoned(framework, f32, (num_tokens,), 4),
+        poisoned(framework, i32, (num_tokens,), 4),
+        like(counts[0]),
+        like(weight) if weight is not None else poisoned(framework, f32, (0,), 4),
+    ]

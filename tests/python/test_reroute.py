@@ -4,57 +4,16 @@ A = 0, through NumPy, moe_reroute's torch entry and torch.ops directly."""
 
 from __future__ import annotations
 
-import zlib
-
 import numpy as np
 import pytest
 import torch
 
 import moe_reroute
 import reference
-from cases import (FRAMEWORKS, SCALE_CASES, TOKEN_CASES, array_type, as_numpy, byte_rows,
-                   counts_array, framework_dtype, poisoned, random_array)
+from cases import (FRAMEWORKS, TOKEN_CASES, array_type, as_numpy, byte_rows, counts_array,
+                   framework_dtype, make_inputs, poisoned_outputs, random_array, seeded)
 
 NUM_TRIALS = 4
-
-
-def make_inputs(framework, case, rng, trial):
-    num_tokens = 0 if trial == 0 else None
-    counts = reference.random_counts(rng, num_tokens, np.int32 if trial % 2 else np.int64)
-    num_tokens = int(counts.sum())
-    hidden = 2 * int(rng.integers(1, 20)) if trial != 1 else 7168
-    element_bytes = max(1, case.bits // 8)  # FP4 storage: one byte per two elements
-    columns = hidden * case.bits // 8 // element_bytes
-    tokens = random_array(framework, rng, case.dtype(framework), (num_tokens, columns),
-                          element_bytes)
-    scale_case = SCALE_CASES[trial % len(SCALE_CASES) if trial else rng.integers(len(SCALE_CASES))]
-    scales = None
-    if scale_case is not None:
-        scales = random_array(framework, rng, scale_case.numpy_dtype if framework == "numpy"
-                              else scale_case.torch_dtype, (num_tokens, *scale_case.trailing),
-                              scale_case.itemsize)
-    weight_shape = [None, (num_tokens, 1), (num_tokens,)][trial % 3]
-    weight = None if weight_shape is None else random_array(
-        framework, rng, framework_dtype(framework, "float32"), weight_shape, 4)
-    return counts, tokens, scales, weight
-
-
-def poisoned_outputs(framework, tokens, counts, scales, weight):
-    """Outputs with the SPEC section 4 specs, every byte POISON."""
-    f32, i32 = framework_dtype(framework, "float32"), framework_dtype(framework, "int32")
-    num_tokens = tokens.shape[0]
-
-    def like(array):
-        itemsize = array.itemsize if framework == "numpy" else array.element_size()
-        return poisoned(framework, array.dtype, tuple(array.shape), itemsize)
-
-    return [
-        like(tokens),
-        like(scales) if scales is not None else poisoned(framework, f32, (num_tokens,), 4),
-        poisoned(framework, i32, (num_tokens,), 4),
-        like(counts[0]),
-        like(weight) if weight is not None else poisoned(framework, f32, (0,), 4),
-    ]
 
 
 def assert_matches_input(output, array):
@@ -100,10 +59,6 @@ def call_forward(framework, form, tokens, counts, scales, weight, attributes, to
     return moe_reroute.moe_re_routing(tokens, counts, **kwargs)
 
 
-def seeded(*labels) -> np.random.Generator:
-    return np.random.default_rng(zlib.crc32("/".join(labels).encode()))
-
-
 FORMS = {"numpy": ("allocate", "out"), "torch": ("allocate", "out", "torch.ops")}
 EXPRESSIBLE = [(framework, case) for framework in FRAMEWORKS for case in TOKEN_CASES
                if case.dtype(framework) is not None]
@@ -146,7 +101,8 @@ def test_inverse_matches_reference_and_undoes_forward(framework, case):
                                               expert_topk_weight=weight,
                                               tokens_dtype=case.tokens_dtype)
         back = moe_reroute.moe_re_routing_inverse(
-            permuted[0], counts_in, per_token_scales=None if scales is None else permuted[1], expert_topk_weight=None if weight is None else permuted[4],
+            permuted[0], counts_in, per_token_scales=None if scales is None else permuted[1],
+            expert_topk_weight=None if weight is None else permuted[4],
             tokens_dtype=case.tokens_dtype)
         np.testing.assert_array_equal(byte_rows(back[0]), byte_rows(tokens))
         if scales is not None:
