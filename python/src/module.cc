@@ -10,6 +10,7 @@
 #include <nanobind/stl/string.h>
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -128,6 +129,10 @@ TensorView view_of(const Array& array, const char* arg, const std::optional<std:
                                       dlpack_name(storage));
   }
   if (storage.bits == 8 && bits == 4 && !dims.empty()) {
+    if (dims.back() > std::numeric_limits<std::int64_t>::max() / 2) {
+      fail(ErrorCode::kOutOfRange, std::string(arg) + ": last dim " + std::to_string(dims.back()) +
+                                       " overflows int64 when read as two FP4 elements a byte");
+    }
     dims.back() *= 2;
   } else if (storage.bits != bits) {
     fail(ErrorCode::kUnsupported,

@@ -161,3 +161,11 @@ def test_fp8_tensor_with_other_tokens_dtype_is_refused():
                                         "storage, but tokens is float8_e4m3fn"):
         moe_reroute.moe_re_routing(tokens, torch.from_numpy(COUNTS), tokens_dtype="hifloat8")
 
+
+
+def test_fp4_storage_too_wide_to_double_is_refused():
+    # A = 0 rows of 2**62 bytes: no memory, but doubling the dim for FP4 would overflow.
+    tokens = np.lib.stride_tricks.as_strided(np.zeros(1, np.uint8), (0, 2**62), (2**62, 1))
+    counts = np.zeros((1, 1), np.int32)
+    with pytest.raises(ValueError, match="tokens: last dim 4611686018427387904 overflows"):
+        moe_reroute.moe_re_routing(tokens, counts, tokens_dtype="float4_e2m1")
