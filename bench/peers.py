@@ -2,9 +2,12 @@
 beside torch.index_select by a precomputed index, Megatron-Core's unfused
 split/cat path, NumPy fancy indexing, and the copy limit (clone, copy_) of the
 same tensors, for decode (A = 256) and prefill (A = 16384), H = 7168 int8
-tokens, 16 x 16 counts, float32 scales and weights. Prints medians and ratios.
+tokens, 16 x 16 counts, float32 scales and weights, then the per-call cost
+of one-token calls. Prints medians and ratios, and the load average: on a
+machine whose cores other jobs share, a parallel region waits for a preempted
+thread, so run there with OMP_NUM_THREADS=1 (torch and the core alike).
 
-    python bench/peers.py [--repeats N] [--hidden H]
+    python bench/peers.py [--repeats N] [--hidden H] [--only decode|prefill|overhead]
 """
 
 from __future__ import annotations
@@ -150,13 +153,17 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--only", choices=("decode", "prefill", "overhead"))
     args = parser.parse_args()
     print(f"moe_reroute {moe_reroute.__version__}, torch {torch.__version__}, "
           f"torch threads {torch.get_num_threads()}, "
           f"core threads {moe_reroute._core.hardware_threads()}")
-    run("decode", 256, args.hidden, max(args.repeats, 30))
-    run("prefill", 16384, args.hidden, args.repeats)
-    overhead(max(args.repeats, 5000))
+    if args.only in (None, "decode"):
+        run("decode", 256, args.hidden, max(args.repeats, 500))
+    if args.only in (None, "prefill"):
+        run("prefill", 16384, args.hidden, args.repeats)
+    if args.only in (None, "overhead"):
+        overhead(max(args.repeats, 5000))
 
 
 if __name__ == "__main__":
