@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <utility>
 
 #include "check.h"
 #include "moe_reroute/reroute.h"
@@ -253,6 +254,27 @@ void finish_plan(Plan& plan, const std::vector<std::int64_t>& counts, int num_th
                            static_cast<std::int64_t>(plan.chunks.size()));
 }
 
+// The part of planning shared by both directions, once inference has passed.
+template <typename Inputs>
+Plan make_plan(Direction direction, const Inputs& inputs, const Attributes& attributes,
+               std::vector<TensorSpec> output_specs, int num_threads) {
+  Plan plan;
+  plan.direction = direction;
+  plan.attributes = attributes;
+  plan.num_tokens = inputs.tokens.shape()[0];
+  plan.num_ranks = inputs.expert_token_num_per_rank.shape()[0];
+  plan.num_experts = inputs.expert_token_num_per_rank.shape()[1];
+  const std::vector<std::int64_t> counts =
+      read_counts(inputs.expert_token_num_per_rank, plan.num_tokens);
+  plan.token_row_bytes = dtype_bytes(inputs.tokens.dtype(), inputs.tokens.shape()[1]);
+  if (inputs.per_token_scales) plan.scale_row_bytes = detail::row_bytes(inputs.per_token_scales->spec);
+  if (inputs.expert_topk_weight) plan.weight_row_bytes = sizeof(float);
+  plan.input_specs = detail::input_specs(inputs);
+  plan.output_specs = std::move(output_specs);
+  finish_plan(plan, counts, num_threads);
+  return plan;
+}
+
 }  // namespace
 
 namespace detail {
@@ -342,46 +364,18 @@ InverseOutputSpecs infer_inverse(const InverseInputs& inputs) {
 
 Plan plan_reroute(const RerouteInputs& inputs, const Attributes& attributes, int num_threads) {
   const RerouteOutputSpecs specs = infer_reroute(inputs, attributes);
-  Plan plan;
-  plan.direction = Direction::kForward;
-  plan.attributes = attributes;
-  plan.num_tokens = inputs.tokens.shape()[0];
-  plan.num_ranks = inputs.expert_token_num_per_rank.shape()[0];
-  plan.num_experts = inputs.expert_token_num_per_rank.shape()[1];
-  const std::vector<std::int64_t> counts =
-      read_counts(inputs.expert_token_num_per_rank, plan.num_tokens);
-  plan.token_row_bytes = dtype_bytes(inputs.tokens.dtype(), inputs.tokens.shape()[1]);
-  if (inputs.per_token_scales) {
-    plan.scale_row_bytes = detail::row_bytes(specs.permute_per_token_scales);
-  }
-  if (inputs.expert_topk_weight) plan.weight_row_bytes = sizeof(float);
-  plan.input_specs = detail::input_specs(inputs);
-  plan.output_specs = {specs.permute_tokens, specs.permute_per_token_scales,
-                       specs.permute_token_idx, specs.expert_token_num, specs.permute_topk_weight};
-  finish_plan(plan, counts, num_threads);
-  return plan;
+  return make_plan(Direction::kForward, inputs, attributes,
+                   {specs.permute_tokens, specs.permute_per_token_scales, specs.permute_token_idx,
+                    specs.expert_token_num, specs.permute_topk_weight},
+                   num_threads);
 }
 
 Plan plan_inverse(const InverseInputs& inputs, int num_threads) {
   const InverseOutputSpecs specs = infer_inverse(inputs);
-  Plan plan;
-  plan.direction = Direction::kInverse;
-  plan.num_tokens = inputs.tokens.shape()[0];
-  plan.num_ranks = inputs.expert_token_num_per_rank.shape()[0];
-  plan.num_experts = inputs.expert_token_num_per_rank.shape()[1];
-  const std::vector<std::int64_t> counts =
-      read_counts(inputs.expert_token_num_per_rank, plan.num_tokens);
-  plan.token_row_bytes = dtype_bytes(inputs.tokens.dtype(), inputs.tokens.shape()[1]);
-  if (specs.restored_per_token_scales) {
-    plan.scale_row_bytes = detail::row_bytes(*specs.restored_per_token_scales);
-  }
-  if (inputs.expert_topk_weight) plan.weight_row_bytes = sizeof(float);
-  plan.input_specs = detail::input_specs(inputs);
-  plan.output_specs = {specs.restored_tokens};
-  if (specs.restored_per_token_scales) plan.output_specs.push_back(*specs.restored_per_token_scales);
-  if (specs.restored_topk_weight) plan.output_specs.push_back(*specs.restored_topk_weight);
-  finish_plan(plan, counts, num_threads);
-  return plan;
+  std::vector<TensorSpec> output_specs = {specs.restored_tokens};
+  if (specs.restored_per_token_scales) output_specs.push_back(*specs.restored_per_token_scales);
+  if (specs.restored_topk_weight) output_specs.push_back(*specs.restored_topk_weight);
+  return make_plan(Direction::kInverse, inputs, {}, std::move(output_specs), num_threads);
 }
 
 }  // namespace moe_reroute
