@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <optional>
 
 #include "../check.h"
 #include "copy.h"
@@ -14,20 +15,23 @@
 namespace moe_reroute {
 namespace {
 
+// Rows of `row_bytes` bytes moved from `src` (null: zeros) to `dst`; a
+// stream of 0-byte rows moves nothing.
 struct RowStream {
-  const std::byte* src = nullptr;  // null: zero-fill the destination rows
-  std::byte* dst = nullptr;
+  const void* src = nullptr;
+  void* dst = nullptr;
   std::int64_t row_bytes = 0;
   bool streaming = false;  // write around the cache (see copy_bytes)
 
   void move(const Chunk& chunk) const {
     if (row_bytes == 0) return;
-    std::byte* to = dst + chunk.dst_row * row_bytes;
+    std::byte* to = static_cast<std::byte*>(dst) + chunk.dst_row * row_bytes;
     const std::size_t bytes = static_cast<std::size_t>(chunk.num_rows * row_bytes);
     if (src == nullptr) {
       std::memset(to, 0, bytes);
     } else {
-      detail::copy_bytes(to, src + chunk.src_row * row_bytes, bytes, streaming);
+      detail::copy_bytes(to, static_cast<const std::byte*>(src) + chunk.src_row * row_bytes, bytes,
+                         streaming);
     }
   }
 };
@@ -38,12 +42,7 @@ bool streaming(const Plan& plan) {
   return 2 * plan.num_tokens * plan.bytes_per_row() > detail::last_level_cache_bytes();
 }
 
-RowStream stream(const Plan& plan, const TensorView* src, TensorView* dst,
-                 std::int64_t row_bytes) {
-  if (dst == nullptr) return {};
-  return {src ? static_cast<const std::byte*>(src->data) : nullptr,
-          static_cast<std::byte*>(dst->data), row_bytes, streaming(plan)};
-}
+void* data_of(const std::optional<TensorView>& view) { return view ? view->data : nullptr; }
 
 // Runs `body(chunk)` over every chunk of the plan, one planned slice per thread.
 template <typename Body>
@@ -74,18 +73,16 @@ void run_reroute(const Plan& plan, const RerouteInputs& inputs, const RerouteOut
   detail::check_run_arguments(plan.input_specs, detail::named_inputs(inputs), plan.output_specs,
                               detail::named_outputs(outputs));
 
-  TensorView permute_tokens = outputs.permute_tokens;
-  TensorView permute_scales = outputs.permute_per_token_scales;
-  TensorView permute_weight = outputs.permute_topk_weight;
-  const RowStream tokens = stream(plan, &inputs.tokens, &permute_tokens, plan.token_row_bytes);
-  const RowStream scales =
-      inputs.per_token_scales
-          ? stream(plan, &*inputs.per_token_scales, &permute_scales, plan.scale_row_bytes)
-          : stream(plan, nullptr, &permute_scales, sizeof(float));
-  const RowStream weight = inputs.expert_topk_weight
-                               ? stream(plan, &*inputs.expert_topk_weight, &permute_weight,
-                                        plan.weight_row_bytes)
-                               : RowStream{};
+  const bool stream = streaming(plan);
+  const RowStream tokens{inputs.tokens.data, outputs.permute_tokens.data, plan.token_row_bytes,
+                         stream};
+  // Without scales the output is [A] float32 zeros.
+  const RowStream scales{data_of(inputs.per_token_scales), outputs.permute_per_token_scales.data,
+                         inputs.per_token_scales ? plan.scale_row_bytes
+                                                 : std::int64_t{sizeof(float)},
+                         stream};
+  const RowStream weight{data_of(inputs.expert_topk_weight), outputs.permute_topk_weight.data,
+                         plan.weight_row_bytes, stream};
   auto* index = static_cast<std::int32_t*>(outputs.permute_token_idx.data);
   const bool gather = plan.attributes.idx_type == kIdxGather;
 
@@ -114,16 +111,14 @@ void run_inverse(const Plan& plan, const InverseInputs& inputs, const InverseOut
   detail::check_run_arguments(plan.input_specs, detail::named_inputs(inputs), plan.output_specs,
                               detail::named_outputs(inputs, outputs));
 
-  InverseOutputs out = outputs;
-  const RowStream tokens = stream(plan, &inputs.tokens, &out.restored_tokens, plan.token_row_bytes);
-  const RowStream scales =
-      inputs.per_token_scales
-          ? stream(plan, &*inputs.per_token_scales, &*out.restored_per_token_scales, plan.scale_row_bytes)
-          : RowStream{};
-  const RowStream weight = inputs.expert_topk_weight
-                               ? stream(plan, &*inputs.expert_topk_weight, &*out.restored_topk_weight,
-                                        plan.weight_row_bytes)
-                               : RowStream{};
+  const bool stream = streaming(plan);
+  const RowStream tokens{inputs.tokens.data, outputs.restored_tokens.data, plan.token_row_bytes,
+                         stream};
+  const RowStream scales{data_of(inputs.per_token_scales),
+                         data_of(outputs.restored_per_token_scales), plan.scale_row_bytes,
+                         stream};
+  const RowStream weight{data_of(inputs.expert_topk_weight),
+                         data_of(outputs.restored_topk_weight), plan.weight_row_bytes, stream};
   for_each_chunk(plan, [&](const Chunk& chunk) {
     tokens.move(chunk);
     scales.move(chunk);
