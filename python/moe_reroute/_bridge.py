@@ -136,16 +136,7 @@ def contiguous_inputs(fw: Framework, *arrays) -> list:
 
 def _plain(fw: Framework, arrays, args) -> list:
     """The arrays of a native dtype (counts, weights, indices) as the core reads them."""
-    kinds, export = fw.kinds, fw.export
-    plain = []
-    for array, arg in zip(arrays, args):
-        if array is not None:
-            own, row = kinds.get(array.dtype) or fw.kind(array.dtype)
-            if row is not None:
-                raise TypeError(f"{arg}: dtype {own} is not supported")
-            array = export(array)
-        plain.append(array)
-    return plain
+    return [None if a is None else core_array(fw, a, arg)[0] for a, arg in zip(arrays, args)]
 
 
 _REROUTE_PLAIN = ("expert_token_num_per_rank", "expert_topk_weight", "permute_token_idx",
