@@ -348,7 +348,7 @@ RerouteOutputSpecs infer_reroute(const RerouteInputs& inputs, const Attributes& 
   return specs;
 }
 
-InverseOutputSpecs infer_inverse(const InverseInputs& inputs) {
+InverseOutputSpecs infer_inverse(const InverseInputs& inputs, const Attributes& attributes) {
   check_tokens(inputs.tokens, /*token_dtypes_only=*/false, /*index_limit=*/false);
   check_counts_spec(inputs.expert_token_num_per_rank);
   const std::int64_t num_tokens = inputs.tokens.shape()[0];
@@ -370,12 +370,12 @@ Plan plan_reroute(const RerouteInputs& inputs, const Attributes& attributes, int
                    num_threads);
 }
 
-Plan plan_inverse(const InverseInputs& inputs, int num_threads) {
-  const InverseOutputSpecs specs = infer_inverse(inputs);
+Plan plan_inverse(const InverseInputs& inputs, const Attributes& attributes, int num_threads) {
+  const InverseOutputSpecs specs = infer_inverse(inputs, attributes);
   std::vector<TensorSpec> output_specs = {specs.restored_tokens};
   if (specs.restored_per_token_scales) output_specs.push_back(*specs.restored_per_token_scales);
   if (specs.restored_topk_weight) output_specs.push_back(*specs.restored_topk_weight);
-  return make_plan(Direction::kInverse, inputs, {}, std::move(output_specs), num_threads);
+  return make_plan(Direction::kInverse, inputs, attributes, std::move(output_specs), num_threads);
 }
 
 }  // namespace moe_reroute

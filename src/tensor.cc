@@ -48,6 +48,8 @@ const char* error_code_name(ErrorCode code) {
       return "unsupported";
     case ErrorCode::kOutOfRange:
       return "out_of_range";
+    case ErrorCode::kBackend:
+      return "backend";
   }
   return "unknown";
 }

@@ -19,9 +19,17 @@ struct ReferenceInputs {
   const std::byte* scales = nullptr;  // null: no scales
   std::int64_t scale_row_bytes = 0;
   const std::byte* weight = nullptr;  // null: no weight; 4 bytes a row
+  // The static-shape mode (docs/spec.md section 9): A, the rows in rank order
+  // (-1: the counts' sum), and k, the expert segment alignment.
+  std::int64_t num_tokens = -1;
+  std::int64_t expert_alignment = 1;
 };
 
 struct ReferenceOutputs {
+  // Rows of tokens, scales and weight whose bytes the contract fixes; the rows
+  // after them (tail rows of the forward, spare rows of the inverse) are
+  // unspecified and hold zeros here.
+  std::int64_t specified_rows = 0;
   std::vector<std::byte> tokens;
   std::vector<std::byte> scales;  // zeros, 4 bytes a row, when there are no scales (forward)
   std::vector<std::byte> weight;  // empty when there is no weight
@@ -29,11 +37,13 @@ struct ReferenceOutputs {
   std::vector<std::int64_t> expert_token_num;  // forward only
 };
 
-/// The forward of SPEC section 3.
+/// The forward of docs/spec.md sections 3 and 9: R = A rows when k = 1, else
+/// A + E * (k - 1); pad rows zero, gather index -1 at pad and tail rows,
+/// scatter index -1 at spare rows, cumsum over the padded segments.
 ReferenceOutputs reference_reroute(const ReferenceInputs& in, int expert_token_num_type,
                                    int idx_type);
 
-/// The inverse: rows in expert order back to rank order.
+/// The inverse: R rows in (padded) expert order back to A rows in rank order.
 ReferenceOutputs reference_inverse(const ReferenceInputs& in);
 
 }  // namespace moe_reroute::testing

@@ -85,7 +85,7 @@ int inverse_command(const RunOptions& o) {
   const LoadedInputs loaded = load_inputs(o);
   const InverseInputs inputs{loaded.tokens.view, loaded.counts.view, view_of(loaded.scales),
                              view_of(loaded.weight)};
-  const Plan plan = plan_inverse(inputs, o.threads);
+  const Plan plan = plan_inverse(inputs, {}, o.threads);
   OutputBuffers buffers(plan.output_specs);
   const std::vector<TensorView>& v = buffers.views;
   InverseOutputs outputs{v[0], std::nullopt, std::nullopt};

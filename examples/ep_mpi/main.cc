@@ -166,7 +166,7 @@ std::vector<float> run_layer(const Options& options, const ep::RankInput& input,
   inverse_in.expert_token_num_per_rank = counts_view;
   mr::InverseOutputs inverse_out;
   inverse_out.restored_tokens = {restored.data(), mr::DType::kFloat32, {num_recv, c.out_hidden}};
-  mr::moe_re_routing_inverse(inverse_in, inverse_out, options.threads);
+  mr::moe_re_routing_inverse(inverse_in, inverse_out, {}, options.threads);
   lap(kInverse);
 
   std::vector<float> returned(num_send * out_hidden);

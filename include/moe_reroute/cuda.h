@@ -54,6 +54,7 @@ MOE_REROUTE_CUDA_API void moe_re_routing(const RerouteInputs& inputs,
 /// moe_reroute::moe_re_routing_inverse). Throws Error before launching anything.
 MOE_REROUTE_CUDA_API void moe_re_routing_inverse(const InverseInputs& inputs,
                                                  const InverseOutputs& outputs,
+                                                 const Attributes& attributes,
                                                  const DeviceContext& context);
 
 /// The message for a non-zero status word, naming the argument, e.g.

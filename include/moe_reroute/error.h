@@ -13,6 +13,7 @@ enum class ErrorCode {
   kInvalidArgument,  // a shape, value or attribute breaks the contract
   kUnsupported,      // a dtype this argument cannot hold
   kOutOfRange,       // a size past what the outputs can represent (index, int64 sum)
+  kBackend,          // the device runtime failed (a CUDA error), not the arguments
 };
 
 /// Thrown by planning and running; what() names the argument, e.g.
@@ -27,7 +28,7 @@ class MOE_REROUTE_API Error : public std::runtime_error {
   ErrorCode code_;
 };
 
-/// "invalid_argument", "unsupported" or "out_of_range".
+/// "invalid_argument", "unsupported", "out_of_range" or "backend".
 MOE_REROUTE_API const char* error_code_name(ErrorCode code);
 
 }  // namespace moe_reroute

@@ -25,9 +25,13 @@ inline constexpr int kExpertTokenNumCount = 1;
 inline constexpr int kIdxGather = 0;
 inline constexpr int kIdxScatter = 1;
 
+/// The operator's attributes (docs/spec.md section 2 and 9). The inverse reads
+/// only expert_alignment and allow_spare_rows.
 struct Attributes {
   int expert_token_num_type = kExpertTokenNumCount;  // 1 = count, 0 = cumsum
   int idx_type = kIdxGather;                         // 0 = gather, 1 = scatter
+  std::int64_t expert_alignment = 1;  // k: each expert's segment is padded to a multiple of k rows
+  bool allow_spare_rows = false;      // the counts may sum to less than A
   bool operator==(const Attributes& other) const = default;
 };
 
@@ -118,14 +122,16 @@ struct MOE_REROUTE_API Plan {
 /// throws Error for any violation of SPEC section 4 but rule 5.
 MOE_REROUTE_API RerouteOutputSpecs infer_reroute(const RerouteInputs& inputs,
                                                  const Attributes& attributes = {});
-MOE_REROUTE_API InverseOutputSpecs infer_inverse(const InverseInputs& inputs);
+MOE_REROUTE_API InverseOutputSpecs infer_inverse(const InverseInputs& inputs,
+                                                 const Attributes& attributes = {});
 
 /// Validates everything (reading the counts), computes int64 offsets and
 /// splits the rows over at most `num_threads` threads (0: all hardware
 /// threads), balanced by bytes. Throws Error.
 MOE_REROUTE_API Plan plan_reroute(const RerouteInputs& inputs, const Attributes& attributes = {},
                                   int num_threads = 0);
-MOE_REROUTE_API Plan plan_inverse(const InverseInputs& inputs, int num_threads = 0);
+MOE_REROUTE_API Plan plan_inverse(const InverseInputs& inputs, const Attributes& attributes = {},
+                                  int num_threads = 0);
 
 /// Moves the bytes on the CPU. Throws Error, before writing anything, when the
 /// inputs differ from the planned specs or an output has the wrong spec or
@@ -139,7 +145,9 @@ MOE_REROUTE_API void run_inverse(const Plan& plan, const InverseInputs& inputs,
 MOE_REROUTE_API void moe_re_routing(const RerouteInputs& inputs, const RerouteOutputs& outputs,
                                     const Attributes& attributes = {}, int num_threads = 0);
 MOE_REROUTE_API void moe_re_routing_inverse(const InverseInputs& inputs,
-                                            const InverseOutputs& outputs, int num_threads = 0);
+                                            const InverseOutputs& outputs,
+                                            const Attributes& attributes = {},
+                                            int num_threads = 0);
 
 /// The number of threads `num_threads = 0` means here.
 MOE_REROUTE_API int hardware_threads();

@@ -235,7 +235,7 @@ void inverse(const Input& tokens, const Input& counts, const std::optional<Input
       inverse_views(tokens, counts, scales, weight, restored_tokens, restored_scales,
                     restored_weight, tokens_dtype, scales_dtype, Device{});
   nb::gil_scoped_release release;
-  moe_re_routing_inverse(views.inputs, views.outputs, num_threads);
+  moe_re_routing_inverse(views.inputs, views.outputs, {}, num_threads);
 }
 
 #if MOE_REROUTE_HAS_CUDA
@@ -300,7 +300,7 @@ void inverse_cuda(const Input& tokens, const Input& counts, const std::optional<
                     restored_weight, tokens_dtype, scales_dtype, device);
   const cuda::DeviceContext context = cuda_context(stream, scratch, device);
   nb::gil_scoped_release release;
-  cuda::moe_re_routing_inverse(views.inputs, views.outputs, context);
+  cuda::moe_re_routing_inverse(views.inputs, views.outputs, {}, context);
 }
 #endif
 

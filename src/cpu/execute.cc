@@ -132,8 +132,8 @@ void moe_re_routing(const RerouteInputs& inputs, const RerouteOutputs& outputs,
 }
 
 void moe_re_routing_inverse(const InverseInputs& inputs, const InverseOutputs& outputs,
-                            int num_threads) {
-  run_inverse(plan_inverse(inputs, num_threads), inputs, outputs);
+                            const Attributes& attributes, int num_threads) {
+  run_inverse(plan_inverse(inputs, attributes, num_threads), inputs, outputs);
 }
 
 }  // namespace moe_reroute

@@ -65,7 +65,7 @@ std::vector<NamedView> with_context(std::vector<NamedView> outputs, const Contex
 
 void check_cuda(cudaError_t error, const char* what) {
   if (error != cudaSuccess) {
-    fail(ErrorCode::kUnsupported, std::string("cuda: ") + what + ": " + cudaGetErrorString(error));
+    fail(ErrorCode::kBackend, std::string("cuda: ") + what + ": " + cudaGetErrorString(error));
   }
 }
 
@@ -144,8 +144,8 @@ void moe_re_routing(const RerouteInputs& inputs, const RerouteOutputs& outputs,
 }
 
 void moe_re_routing_inverse(const InverseInputs& inputs, const InverseOutputs& outputs,
-                            const DeviceContext& context) {
-  const InverseOutputSpecs specs = infer_inverse(inputs);
+                            const Attributes& attributes, const DeviceContext& context) {
+  const InverseOutputSpecs specs = infer_inverse(inputs, attributes);
   std::vector<NamedView> outputs_named = named_outputs(inputs, outputs);
   const ContextViews views = context_views(context, inputs.expert_token_num_per_rank);
   std::vector<TensorSpec> output_specs = {specs.restored_tokens};

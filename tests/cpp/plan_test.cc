@@ -107,7 +107,7 @@ TEST(PlanValue, WorkedExampleOffsetsAndChunks) {
                                    {kExpertTokenNumCumsum, kIdxGather}, 1);
   EXPECT_EQ(cumsum.expert_token_num, (std::vector<std::int64_t>{3, 4, 6}));
 
-  const Plan inverse = plan_inverse(kWorkedExample.inverse_inputs(DType::kFloat32, 2), 1);
+  const Plan inverse = plan_inverse(kWorkedExample.inverse_inputs(DType::kFloat32, 2), {}, 1);
   EXPECT_EQ(inverse.chunks, (std::vector<Chunk>{{0, 0, 1}, {4, 1, 2}, {1, 3, 2}, {3, 5, 1}}));
 }
 
@@ -115,7 +115,7 @@ TEST(PlanValue, ToStringShowsSizesRowBytesAndEachThreadsShare) {
   EXPECT_EQ(plan_reroute(kWorkedExample.inputs(DType::kFloat32, 2), {}, 1).to_string(),
             "reroute plan: A=6 N=2 E=3 row_bytes tokens=8 scales=0 weight=0 threads=1\n"
             "  thread 0: 4 chunks, 6 rows, 96 bytes\n");
-  EXPECT_EQ(plan_inverse(kWorkedExample.inverse_inputs(DType::kFloat32, 2), 1).to_string(),
+  EXPECT_EQ(plan_inverse(kWorkedExample.inverse_inputs(DType::kFloat32, 2), {}, 1).to_string(),
             "inverse plan: A=6 N=2 E=3 row_bytes tokens=8 scales=0 weight=0 threads=1\n"
             "  thread 0: 4 chunks, 6 rows, 48 bytes\n");
 }
@@ -148,7 +148,7 @@ class WorkSplit : public ::testing::TestWithParam<Direction> {
   Plan plan(const CountsOnly& counts, std::int64_t hidden, int num_threads) const {
     return GetParam() == Direction::kForward
                ? plan_reroute(counts.inputs(DType::kInt8, hidden), {}, num_threads)
-               : plan_inverse(counts.inverse_inputs(DType::kInt8, hidden), num_threads);
+               : plan_inverse(counts.inverse_inputs(DType::kInt8, hidden), {}, num_threads);
   }
 };
 

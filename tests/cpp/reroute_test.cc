@@ -111,7 +111,7 @@ TEST_P(ThreadCounts, SameBytesForOneToEightThreads) {
     SCOPED_TRACE("num_threads=" + std::to_string(num_threads));
     const Plan plan = GetParam() == Direction::kForward
                           ? plan_reroute(workload.inputs(), c.config.attributes, num_threads)
-                          : plan_inverse(inverse_call(workload, c.weight).inputs, num_threads);
+                          : plan_inverse(inverse_call(workload, c.weight).inputs, {}, num_threads);
     EXPECT_EQ(plan.num_threads(), num_threads);
     EXPECT_EQ(difference(GetParam(), c, num_threads), "");
   }
@@ -138,7 +138,7 @@ TEST_P(RoundTrip, InverseOfForwardRestoresEveryInputByte) {
   std::memcpy(back.scales.data(), forward.permute_scales.data(), back.scales.size());
   std::memcpy(back.weight.data(), forward.permute_weight.data(), back.weight.size());
   const InverseCall inverse = inverse_call(back, c.weight);
-  moe_re_routing_inverse(inverse.inputs, inverse.outputs, 3);
+  moe_re_routing_inverse(inverse.inputs, inverse.outputs, {}, 3);
   EXPECT_EQ(testing::first_difference("restored_tokens", back.permute_tokens,
                                       forward.tokens.data(), forward.tokens.size()),
             "");

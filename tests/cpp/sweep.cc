@@ -220,7 +220,7 @@ std::string forward_difference(const Case& c, int num_threads) {
 std::string inverse_difference(const Case& c, int num_threads) {
   testing::Workload workload = make_workload(c);
   const InverseCall call = inverse_call(workload, c.weight);
-  moe_re_routing_inverse(call.inputs, call.outputs, num_threads);
+  moe_re_routing_inverse(call.inputs, call.outputs, {}, num_threads);
   return inverse_outputs_difference(workload);
 }
 

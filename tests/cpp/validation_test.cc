@@ -63,7 +63,7 @@ void forward(Workload& w, const std::function<void(ForwardCall&)>& edit,
 void inverse(Workload& w, const std::function<void(InverseCall&)>& edit) {
   InverseCall call = inverse_call(w, weight_of(w));
   edit(call);
-  moe_re_routing_inverse(call.inputs, call.outputs, 2);
+  moe_re_routing_inverse(call.inputs, call.outputs, {}, 2);
 }
 
 void no_edit(ForwardCall&) {}

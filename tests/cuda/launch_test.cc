@@ -251,7 +251,7 @@ TEST_F(CudaValidation, InverseRejectsMissingOptionalOutputs) {
                        TensorView(scales.data(), DType::kFloat32, {kRows}), std::nullopt};
   InverseOutputs outputs{outputs_.permute_tokens, std::nullopt, std::nullopt};
   try {
-    moe_re_routing_inverse(inputs, outputs, context_);
+    moe_re_routing_inverse(inputs, outputs, {}, context_);
     ADD_FAILURE() << "no error";
   } catch (const Error& error) {
     EXPECT_EQ(std::string(error.what()),

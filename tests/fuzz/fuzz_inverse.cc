@@ -17,7 +17,7 @@ struct Inverse {
     return list;
   }
   static Plan plan(const Inputs& inputs, const Attributes&, int num_threads) {
-    return plan_inverse(inputs, num_threads);
+    return plan_inverse(inputs, {}, num_threads);
   }
   // Views in spec order: tokens, then scales and weight where the inputs have them.
   static InverseOutputs outputs(const Inputs& inputs, const std::vector<TensorView>& views) {
@@ -29,7 +29,7 @@ struct Inverse {
   }
   static void call(const Inputs& inputs, const std::vector<TensorView>& views, const Attributes&,
                    int num_threads) {
-    moe_re_routing_inverse(inputs, outputs(inputs, views), num_threads);
+    moe_re_routing_inverse(inputs, outputs(inputs, views), {}, num_threads);
   }
   static void run(const Plan& plan, const Inputs& inputs, const std::vector<TensorView>& views) {
     run_inverse(plan, inputs, outputs(inputs, views));

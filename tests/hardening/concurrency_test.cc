@@ -101,7 +101,7 @@ TEST(Concurrency, OnePlanFromManyThreads) {
   const Plan inverse_plan =
       plan_inverse({shared.inputs().tokens, shared.inputs().expert_token_num_per_rank,
                     shared.inputs().per_token_scales, shared.inputs().expert_topk_weight},
-                   2);
+                   {}, 2);
   std::vector<Workload> own(kNumCallers, shared);
   std::vector<std::string> failures(kNumCallers);
   std::vector<std::thread> callers;
