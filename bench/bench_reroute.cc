@@ -104,7 +104,7 @@ ShapeBuffers& buffers_for(const BenchShape& shape) {
 void set_counters(benchmark::State& state, const ShapeBuffers& b, int threads) {
   state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * b.workload.bytes_moved());
   state.counters["threads"] = threads;
-  state.counters["chunks"] = static_cast<double>(b.plan.chunks.size());
+  state.counters["chunks"] = static_cast<double>(b.plan.chunks().size());
 }
 
 void bench_plan_run(benchmark::State& state, const BenchShape& shape) {
@@ -145,12 +145,12 @@ void bench_gather(benchmark::State& state, const BenchShape& shape) {
   const std::int32_t* index = b.gather_index.data();
   for (auto _ : state) {
     testing::per_row_gather(w.permute_tokens.data(), w.tokens.data(), index, shape.num_tokens,
-                            b.plan.token_row_bytes);
+                            b.plan.token_row_bytes());
     if (shape.scaled) {
       testing::per_row_gather(w.permute_scales.data(), w.scales.data(), index, shape.num_tokens,
-                              b.plan.scale_row_bytes);
+                              b.plan.scale_row_bytes());
       testing::per_row_gather(w.permute_weight.data(), w.weight.data(), index, shape.num_tokens,
-                              b.plan.weight_row_bytes);
+                              b.plan.weight_row_bytes());
     }
     benchmark::ClobberMemory();
   }

@@ -3,6 +3,7 @@
 // Helpers shared by planning and the backends' output checks.
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,26 @@ namespace moe_reroute::detail {
 
 [[noreturn]] inline void fail(ErrorCode code, const std::string& message) {
   throw Error(code, message);
+}
+
+/// Element i of `base` as T, through memcpy: views may be misaligned.
+template <typename T>
+T load(const void* base, std::int64_t i) {
+  T value;
+  std::memcpy(&value, static_cast<const std::byte*>(base) + i * std::int64_t{sizeof(T)}, sizeof(T));
+  return value;
+}
+
+/// Writes element i of `base` as T, through memcpy: views may be misaligned.
+template <typename T>
+void store(void* base, std::int64_t i, T value) {
+  std::memcpy(static_cast<std::byte*>(base) + i * std::int64_t{sizeof(T)}, &value, sizeof(T));
+}
+
+/// Element i of int32 or int64 counts as int64.
+inline std::int64_t load_count(const TensorView& counts, std::int64_t i) {
+  return counts.dtype() == DType::kInt32 ? load<std::int32_t>(counts.data, i)
+                                         : load<std::int64_t>(counts.data, i);
 }
 
 /// Bytes of `spec`; throws Error naming `name` for a negative dim or a size

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -74,29 +75,57 @@ void check_counts_spec(const TensorView& counts) {
   detail::checked_nbytes(counts.spec, name);
 }
 
-// Rule 7.
-void check_scales(const TensorView& scales, std::int64_t num_tokens) {
+// The scale forms of rule 7: [A], [A, S] and, for FP8 tokens, [A, K, 2].
+enum ScaleForms : unsigned { kScaleRows = 1, kScaleMatrix = 2, kScaleBlocks = 4 };
+
+std::string forms_string(unsigned forms) {
+  std::string s;
+  for (const auto& [form, text] : {std::pair{kScaleRows, "[A]"}, std::pair{kScaleMatrix, "[A, S]"},
+                                   std::pair{kScaleBlocks, "[A, K, 2]"}}) {
+    if (forms & form) s += (s.empty() ? "" : ", ") + std::string(text);
+  }
+  return s;
+}
+
+bool is_fp8(DType dtype) { return dtype == DType::kFloat8E5M2 || dtype == DType::kFloat8E4M3FN; }
+bool is_fp4(DType dtype) { return dtype == DType::kFloat4E2M1 || dtype == DType::kFloat4E1M2; }
+
+// Rule 7: the forms that scales of `scales_dtype` may take beside tokens of
+// `tokens_dtype` (the pairing table; nullopt: the inverse, whose rows may be
+// of any dtype, takes every form); throws for a dtype that cannot pair.
+unsigned scale_forms(DType scales_dtype, std::optional<DType> tokens_dtype) {
+  const char* name = "per_token_scales";
+  if (scales_dtype != DType::kFloat32 && scales_dtype != DType::kFloat8E8M0) {
+    fail(ErrorCode::kUnsupported,
+         std::string(name) + ": dtype " + std::string(dtype_name(scales_dtype)) +
+             " must be float32 or float8_e8m0 (name uint8 storage as float8_e8m0)");
+  }
+  if (!tokens_dtype || is_fp8(*tokens_dtype)) return kScaleRows | kScaleMatrix | kScaleBlocks;
+  if (scales_dtype == DType::kFloat8E8M0 && !is_fp4(*tokens_dtype)) {
+    fail(ErrorCode::kUnsupported,
+         std::string(name) + ": float8_e8m0 scales pair only with float8_e5m2, float8_e4m3fn, "
+                             "float4_e2m1 or float4_e1m2 tokens, got " +
+             std::string(dtype_name(*tokens_dtype)) + " tokens");
+  }
+  return kScaleRows | kScaleMatrix;
+}
+
+void check_scales(const TensorView& scales, std::int64_t num_rows,
+                  std::optional<DType> tokens_dtype) {
   const char* name = "per_token_scales";
   const Shape& shape = scales.shape();
-  switch (scales.dtype()) {
-    case DType::kFloat32:
-      if (shape.ndim != 1 && shape.ndim != 2) {
-        fail(ErrorCode::kInvalidArgument, std::string(name) +
-                                              ": float32 scales must be [A] or [A, S], got " +
-                                              spec_string(scales));
-      }
-      break;
-    case DType::kFloat8E8M0:
-      if (shape.ndim != 2 && !(shape.ndim == 3 && shape[2] == 2)) {
-        fail(ErrorCode::kInvalidArgument, std::string(name) +
-                                              ": float8_e8m0 scales must be [A, K, 2] or [A, S], "
-                                              "got " + spec_string(scales));
-      }
-      break;
-    default:
-      fail(ErrorCode::kUnsupported,
-           std::string(name) + ": dtype " + std::string(dtype_name(scales.dtype())) +
-               " must be float32 or float8_e8m0 (name uint8 storage as float8_e8m0)");
+  const unsigned forms = scale_forms(scales.dtype(), tokens_dtype);
+  const unsigned form = shape.ndim == 1                     ? kScaleRows
+                        : shape.ndim == 2                   ? kScaleMatrix
+                        : shape.ndim == 3 && shape[2] == 2 ? kScaleBlocks
+                                                            : 0u;
+  if (!(forms & form)) {
+    const std::string with =
+        tokens_dtype ? " with " + std::string(dtype_name(*tokens_dtype)) + " tokens" : "";
+    fail(ErrorCode::kInvalidArgument, std::string(name) + ": " +
+                                          std::string(dtype_name(scales.dtype())) +
+                                          " scales" + with + " must be " + forms_string(forms) +
+                                          ", got " + spec_string(scales));
   }
   for (int d = 1; d < shape.ndim; ++d) {
     if (shape[d] < 1) {
@@ -104,16 +133,16 @@ void check_scales(const TensorView& scales, std::int64_t num_tokens) {
                                             " must be >= 1, got " + shape.to_string());
     }
   }
-  if (shape[0] != num_tokens) {
+  if (shape[0] != num_rows) {
     fail(ErrorCode::kInvalidArgument, std::string(name) + ": dim 0 is " +
                                           std::to_string(shape[0]) + " but tokens has " +
-                                          std::to_string(num_tokens) + " rows");
+                                          std::to_string(num_rows) + " rows");
   }
   detail::checked_nbytes(scales.spec, name);
 }
 
 // Rule 8.
-void check_weight(const TensorView& weight, std::int64_t num_tokens) {
+void check_weight(const TensorView& weight, std::int64_t num_rows) {
   const char* name = "expert_topk_weight";
   const Shape& shape = weight.shape();
   if (weight.dtype() != DType::kFloat32) {
@@ -129,15 +158,20 @@ void check_weight(const TensorView& weight, std::int64_t num_tokens) {
     fail(ErrorCode::kInvalidArgument, std::string(name) + ": dim 1 must be 1, got " +
                                           std::to_string(shape[1]) + " in " + shape.to_string());
   }
-  if (shape[0] != num_tokens) {
+  if (shape[0] != num_rows) {
     fail(ErrorCode::kInvalidArgument, std::string(name) + ": dim 0 is " +
                                           std::to_string(shape[0]) + " but tokens has " +
-                                          std::to_string(num_tokens) + " rows");
+                                          std::to_string(num_rows) + " rows");
   }
 }
 
-// Rule 9.
-void check_attributes(const Attributes& attributes) {
+// Rule 9 (the forward's attributes) and section 9's expert_alignment.
+void check_attributes(const Attributes& attributes, Direction direction) {
+  if (attributes.expert_alignment < 1) {
+    fail(ErrorCode::kInvalidArgument, "expert_alignment: must be >= 1, got " +
+                                          std::to_string(attributes.expert_alignment));
+  }
+  if (direction == Direction::kInverse) return;
   if (attributes.expert_token_num_type != kExpertTokenNumCumsum &&
       attributes.expert_token_num_type != kExpertTokenNumCount) {
     fail(ErrorCode::kInvalidArgument,
@@ -150,17 +184,61 @@ void check_attributes(const Attributes& attributes) {
   }
 }
 
-// Rules 4 and 5: reads the counts as int64.
-std::vector<std::int64_t> read_counts(const TensorView& counts, std::int64_t num_tokens) {
+// The rows the E segments can gain from padding: E * (k - 1), 0 when k = 1.
+std::int64_t pad_capacity(const Attributes& attributes, std::int64_t num_experts) {
+  std::int64_t rows = 0;
+  if (__builtin_mul_overflow(num_experts, attributes.expert_alignment - 1, &rows)) {
+    fail(ErrorCode::kOutOfRange, "expert_alignment: " +
+                                     std::to_string(attributes.expert_alignment) + " with E = " +
+                                     std::to_string(num_experts) + " experts overflows int64 rows");
+  }
+  return rows;
+}
+
+// R, the forward's output rows: A, plus E * (k - 1) when k > 1; R and every
+// destination row must fit the int32 index.
+std::int64_t expert_rows(const Attributes& attributes, std::int64_t num_tokens,
+                         std::int64_t num_experts) {
+  std::int64_t rows = num_tokens;
+  if (__builtin_add_overflow(num_tokens, pad_capacity(attributes, num_experts), &rows) ||
+      rows > kIndexLimit) {
+    fail(ErrorCode::kOutOfRange,
+         "expert_alignment: " + std::to_string(attributes.expert_alignment) + " pads A = " +
+             std::to_string(num_tokens) + " tokens of E = " + std::to_string(num_experts) +
+             " experts past the int32 index limit 2147483647");
+  }
+  return rows;
+}
+
+// The inverse's A: its R input rows less the E * (k - 1) rows of padding room.
+std::int64_t rank_rows(const Attributes& attributes, std::int64_t num_rows,
+                       std::int64_t num_experts) {
+  const std::int64_t room = pad_capacity(attributes, num_experts);
+  if (num_rows < room) {
+    fail(ErrorCode::kInvalidArgument,
+         "tokens: " + std::to_string(num_rows) + " rows cannot hold E = " +
+             std::to_string(num_experts) + " experts padded to expert_alignment " +
+             std::to_string(attributes.expert_alignment) + " (at least " + std::to_string(room) +
+             " rows)");
+  }
+  return num_rows - room;
+}
+
+// Dim 0 of `spec` set to `rows`.
+TensorSpec with_rows(TensorSpec spec, std::int64_t rows) {
+  spec.shape.dims[0] = rows;
+  return spec;
+}
+
+// Rules 4 and 5: the counts as int64 (loaded byte-wise: views may be misaligned).
+std::vector<std::int64_t> read_counts(const TensorView& counts, std::int64_t num_tokens,
+                                      bool allow_spare_rows) {
   const char* name = "expert_token_num_per_rank";
   const std::int64_t num_experts = counts.shape()[1];
   const std::int64_t size = counts.shape().numel();
   if (counts.data == nullptr) fail(ErrorCode::kInvalidArgument, std::string(name) + ": data is null");
   std::vector<std::int64_t> values(static_cast<std::size_t>(size));
-  for (std::int64_t i = 0; i < size; ++i) {
-    values[i] = counts.dtype() == DType::kInt32 ? static_cast<const std::int32_t*>(counts.data)[i]
-                                                : static_cast<const std::int64_t*>(counts.data)[i];
-  }
+  for (std::int64_t i = 0; i < size; ++i) values[i] = detail::load_count(counts, i);
   std::int64_t sum = 0;
   for (std::int64_t i = 0; i < size; ++i) {
     if (values[i] < 0) {
@@ -173,111 +251,136 @@ std::vector<std::int64_t> read_counts(const TensorView& counts, std::int64_t num
       fail(ErrorCode::kOutOfRange, std::string(name) + ": counts overflow int64 when summed");
     }
   }
-  if (sum != num_tokens) {
-    fail(ErrorCode::kInvalidArgument, std::string(name) + ": counts sum to " +
-                                          std::to_string(sum) + " but tokens has " +
-                                          std::to_string(num_tokens) + " rows");
+  if (allow_spare_rows ? sum > num_tokens : sum != num_tokens) {
+    fail(ErrorCode::kInvalidArgument,
+         std::string(name) + ": counts sum to " + std::to_string(sum) + " but tokens has " +
+             std::to_string(num_tokens) + " rows" +
+             (allow_spare_rows ? " (with allow_spare_rows the sum may be less, never more)" : ""));
   }
   return values;
-}
-
-// Fills the offsets, expert_token_num and the chunks: the blocks in destination
-// order, cut into one contiguous row range per thread. Every row costs the same
-// bytes, so equal row ranges are equal byte shares however skewed the counts.
-void finish_plan(Plan& plan, const std::vector<std::int64_t>& counts, int num_threads) {
-  const std::int64_t num_ranks = plan.num_ranks;
-  const std::int64_t num_experts = plan.num_experts;
-  const auto block = [num_experts](std::int64_t rank, std::int64_t expert) {
-    return static_cast<std::size_t>(rank * num_experts + expert);
-  };
-  plan.src_offset.assign(counts.size(), 0);
-  plan.dst_offset.assign(counts.size(), 0);
-  plan.expert_token_num.assign(static_cast<std::size_t>(num_experts), 0);
-  std::int64_t row = 0;
-  for (std::int64_t r = 0; r < num_ranks; ++r) {
-    for (std::int64_t e = 0; e < num_experts; ++e) {
-      plan.src_offset[block(r, e)] = row;
-      row += counts[block(r, e)];
-    }
-  }
-  row = 0;
-  for (std::int64_t e = 0; e < num_experts; ++e) {
-    for (std::int64_t r = 0; r < num_ranks; ++r) {
-      plan.dst_offset[block(r, e)] = row;
-      row += counts[block(r, e)];
-    }
-    const bool cumsum = plan.attributes.expert_token_num_type == kExpertTokenNumCumsum;
-    plan.expert_token_num[static_cast<std::size_t>(e)] =
-        cumsum ? row : row - plan.dst_offset[block(0, e)];
-  }
-
-  const std::int64_t num_tokens = plan.num_tokens;
-  const std::int64_t total_bytes = num_tokens * plan.bytes_per_row();
-  const std::int64_t requested = num_threads > 0 ? num_threads : hardware_threads();
-  const std::int64_t useful = std::max<std::int64_t>(1, total_bytes / kMinBytesPerThread);
-  const std::int64_t threads = std::max<std::int64_t>(
-      1, std::min({requested, useful, std::max<std::int64_t>(num_tokens, 1)}));
-  const auto end_row = [num_tokens, threads](std::int64_t t) {
-    return num_tokens / threads * (t + 1) + std::min<std::int64_t>(t + 1, num_tokens % threads);
-  };
-
-  // One pass over the blocks in the order their destination rows are written,
-  // cutting a block wherever a thread's row range ends.
-  plan.chunks.clear();
-  plan.chunks.reserve(counts.size() + static_cast<std::size_t>(threads));
-  plan.thread_begin.reserve(static_cast<std::size_t>(threads) + 1);
-  plan.thread_begin.assign(1, 0);
-  const bool forward = plan.direction == Direction::kForward;
-  const std::int64_t outer = forward ? num_experts : num_ranks;
-  const std::int64_t inner = forward ? num_ranks : num_experts;
-  std::int64_t thread_end = end_row(0);
-  for (std::int64_t o = 0; o < outer; ++o) {
-    for (std::int64_t i = 0; i < inner; ++i) {
-      const std::size_t b = forward ? block(i, o) : block(o, i);
-      const std::int64_t expert_row = plan.dst_offset[b];
-      const std::int64_t rank_row = plan.src_offset[b];
-      const std::int64_t src_row = forward ? rank_row : expert_row;
-      const std::int64_t dst_row = forward ? expert_row : rank_row;
-      for (std::int64_t taken = 0; taken < counts[b];) {
-        const std::int64_t rows = std::min(counts[b] - taken, thread_end - (dst_row + taken));
-        plan.chunks.push_back({src_row + taken, dst_row + taken, rows});
-        taken += rows;
-        if (dst_row + taken == thread_end) {
-          plan.thread_begin.push_back(static_cast<std::int64_t>(plan.chunks.size()));
-          thread_end = end_row(static_cast<std::int64_t>(plan.thread_begin.size()) - 1);
-        }
-      }
-    }
-  }
-  // A = 0: the one thread has no chunks.
-  plan.thread_begin.resize(static_cast<std::size_t>(threads) + 1,
-                           static_cast<std::int64_t>(plan.chunks.size()));
-}
-
-// The part of planning shared by both directions, once inference has passed.
-template <typename Inputs>
-Plan make_plan(Direction direction, const Inputs& inputs, const Attributes& attributes,
-               std::vector<TensorSpec> output_specs, int num_threads) {
-  Plan plan;
-  plan.direction = direction;
-  plan.attributes = attributes;
-  plan.num_tokens = inputs.tokens.shape()[0];
-  plan.num_ranks = inputs.expert_token_num_per_rank.shape()[0];
-  plan.num_experts = inputs.expert_token_num_per_rank.shape()[1];
-  const std::vector<std::int64_t> counts =
-      read_counts(inputs.expert_token_num_per_rank, plan.num_tokens);
-  plan.token_row_bytes = dtype_bytes(inputs.tokens.dtype(), inputs.tokens.shape()[1]);
-  if (inputs.per_token_scales) plan.scale_row_bytes = detail::row_bytes(inputs.per_token_scales->spec);
-  if (inputs.expert_topk_weight) plan.weight_row_bytes = sizeof(float);
-  plan.input_specs = detail::input_specs(inputs);
-  plan.output_specs = std::move(output_specs);
-  finish_plan(plan, counts, num_threads);
-  return plan;
 }
 
 }  // namespace
 
 namespace detail {
+
+// Fills a plan: Plan's members are private so that no caller can edit one.
+struct PlanBuilder {
+  // The part of planning shared by both directions, once inference has passed.
+  template <typename Inputs>
+  static Plan make(Direction direction, const Inputs& inputs, const Attributes& attributes,
+                   std::int64_t num_tokens, std::vector<TensorSpec> output_specs,
+                   int num_threads) {
+    Plan plan;
+    plan.direction_ = direction;
+    plan.attributes_ = attributes;
+    plan.num_tokens_ = num_tokens;
+    plan.num_ranks_ = inputs.expert_token_num_per_rank.shape()[0];
+    plan.num_experts_ = inputs.expert_token_num_per_rank.shape()[1];
+    plan.counts_ =
+        read_counts(inputs.expert_token_num_per_rank, num_tokens, attributes.allow_spare_rows);
+    plan.token_row_bytes_ = dtype_bytes(inputs.tokens.dtype(), inputs.tokens.shape()[1]);
+    if (inputs.per_token_scales) plan.scale_row_bytes_ = row_bytes(inputs.per_token_scales->spec);
+    if (inputs.expert_topk_weight) plan.weight_row_bytes_ = sizeof(float);
+    plan.input_specs_ = input_specs(inputs);
+    plan.output_specs_ = std::move(output_specs);
+    offsets(plan);
+    split(plan, num_threads);
+    return plan;
+  }
+
+  // src_offset, dst_offset (expert segments padded to multiples of k) and expert_token_num.
+  static void offsets(Plan& plan) {
+    const std::int64_t num_ranks = plan.num_ranks_;
+    const std::int64_t num_experts = plan.num_experts_;
+    const std::int64_t k = plan.attributes_.expert_alignment;
+    const std::vector<std::int64_t>& counts = plan.counts_;
+    plan.src_offset_.assign(counts.size(), 0);
+    plan.dst_offset_.assign(counts.size(), 0);
+    plan.expert_token_num_.assign(static_cast<std::size_t>(num_experts), 0);
+    std::int64_t row = 0;
+    for (std::size_t b = 0; b < counts.size(); ++b) {
+      plan.src_offset_[b] = row;
+      row += counts[b];
+    }
+    plan.num_valid_rows_ = row;
+    row = 0;
+    const bool cumsum = plan.attributes_.expert_token_num_type == kExpertTokenNumCumsum;
+    for (std::int64_t e = 0; e < num_experts; ++e) {
+      const std::int64_t segment = row;
+      for (std::int64_t r = 0; r < num_ranks; ++r) {
+        plan.dst_offset_[block(plan, r, e)] = row;
+        row += counts[block(plan, r, e)];
+      }
+      const std::int64_t total = row - segment;
+      row = segment + (total + k - 1) / k * k;
+      plan.expert_token_num_[static_cast<std::size_t>(e)] = cumsum ? row : total;
+    }
+    plan.num_padded_rows_ = row;
+  }
+
+  static std::size_t block(const Plan& plan, std::int64_t rank, std::int64_t expert) {
+    return static_cast<std::size_t>(rank * plan.num_experts_ + expert);
+  }
+
+  // The chunks: every run of rows in the order its destination rows are
+  // written (the forward's pad rows after each expert's blocks), cut into one
+  // contiguous destination row range per thread. Every row costs the same
+  // bytes, so equal row ranges are equal byte shares however skewed the counts.
+  static void split(Plan& plan, int num_threads) {
+    const bool forward = plan.direction_ == Direction::kForward;
+    const std::int64_t rows = plan.num_written_rows();
+    const std::int64_t total_bytes = rows * plan.bytes_per_row();
+    plan.streaming_stores_ = 2 * total_bytes > last_level_cache_bytes();
+    const std::int64_t requested = num_threads > 0 ? num_threads : hardware_threads();
+    const std::int64_t useful = std::max<std::int64_t>(1, total_bytes / kMinBytesPerThread);
+    const std::int64_t threads =
+        std::max<std::int64_t>(1, std::min({requested, useful, std::max<std::int64_t>(rows, 1)}));
+    const auto end_row = [rows, threads](std::int64_t t) {
+      return rows / threads * (t + 1) + std::min<std::int64_t>(t + 1, rows % threads);
+    };
+
+    plan.chunks_.clear();
+    plan.chunks_.reserve(plan.counts_.size() * (forward ? 2 : 1) +
+                         static_cast<std::size_t>(threads));
+    plan.thread_begin_.reserve(static_cast<std::size_t>(threads) + 1);
+    plan.thread_begin_.assign(1, 0);
+    std::int64_t thread_end = end_row(0);
+    const auto emit = [&](std::int64_t src_row, std::int64_t dst_row, std::int64_t num_rows) {
+      for (std::int64_t taken = 0; taken < num_rows;) {
+        const std::int64_t run = std::min(num_rows - taken, thread_end - (dst_row + taken));
+        plan.chunks_.push_back({src_row == kPadRows ? kPadRows : src_row + taken,
+                                dst_row + taken, run});
+        taken += run;
+        if (dst_row + taken == thread_end) {
+          plan.thread_begin_.push_back(static_cast<std::int64_t>(plan.chunks_.size()));
+          thread_end = end_row(static_cast<std::int64_t>(plan.thread_begin_.size()) - 1);
+        }
+      }
+    };
+    if (forward) {
+      for (std::int64_t e = 0; e < plan.num_experts_; ++e) {
+        std::int64_t end = plan.dst_offset_[block(plan, 0, e)];
+        for (std::int64_t r = 0; r < plan.num_ranks_; ++r) {
+          const std::size_t b = block(plan, r, e);
+          emit(plan.src_offset_[b], plan.dst_offset_[b], plan.counts_[b]);
+          end = plan.dst_offset_[b] + plan.counts_[b];
+        }
+        const std::int64_t segment_end =
+            e + 1 < plan.num_experts_ ? plan.dst_offset_[block(plan, 0, e + 1)]
+                                      : plan.num_padded_rows_;
+        emit(kPadRows, end, segment_end - end);
+      }
+    } else {
+      for (std::size_t b = 0; b < plan.counts_.size(); ++b) {
+        emit(plan.dst_offset_[b], plan.src_offset_[b], plan.counts_[b]);
+      }
+    }
+    // No rows: the one thread has no chunks.
+    plan.thread_begin_.resize(static_cast<std::size_t>(threads) + 1,
+                              static_cast<std::int64_t>(plan.chunks_.size()));
+  }
+};
 
 std::int64_t checked_nbytes(const TensorSpec& spec, const char* name) {
   // The product of the non-zero dims: a zero dim (A = 0) must not hide a row
@@ -303,25 +406,32 @@ std::int64_t checked_nbytes(const TensorSpec& spec, const char* name) {
 int hardware_threads() { return std::max(1, omp_get_max_threads()); }
 
 std::int64_t Plan::bytes_per_row() const {
-  const std::int64_t index_bytes = direction == Direction::kForward ? 4 : 0;
+  const std::int64_t index_bytes = direction_ == Direction::kForward ? 4 : 0;
   // Without scales the forward still writes a zero float32 per row.
   const std::int64_t scale_bytes =
-      direction == Direction::kForward && scale_row_bytes == 0 ? 4 : scale_row_bytes;
-  return token_row_bytes + scale_bytes + weight_row_bytes + index_bytes;
+      direction_ == Direction::kForward && scale_row_bytes_ == 0 ? 4 : scale_row_bytes_;
+  return token_row_bytes_ + scale_bytes + weight_row_bytes_ + index_bytes;
 }
 
 std::string Plan::to_string() const {
-  std::string s = direction == Direction::kForward ? "reroute" : "inverse";
-  s += " plan: A=" + std::to_string(num_tokens) + " N=" + std::to_string(num_ranks) +
-       " E=" + std::to_string(num_experts) + " row_bytes tokens=" +
-       std::to_string(token_row_bytes) + " scales=" + std::to_string(scale_row_bytes) +
-       " weight=" + std::to_string(weight_row_bytes) + " threads=" +
-       std::to_string(num_threads()) + "\n";
+  std::string s = direction_ == Direction::kForward ? "reroute" : "inverse";
+  s += " plan: A=" + std::to_string(num_tokens_) + " N=" + std::to_string(num_ranks_) +
+       " E=" + std::to_string(num_experts_) + " row_bytes tokens=" +
+       std::to_string(token_row_bytes_) + " scales=" + std::to_string(scale_row_bytes_) +
+       " weight=" + std::to_string(weight_row_bytes_) + " threads=" +
+       std::to_string(num_threads());
+  if (attributes_.expert_alignment != 1) {
+    s += " expert_alignment=" + std::to_string(attributes_.expert_alignment);
+  }
+  if (attributes_.allow_spare_rows) s += " allow_spare_rows";
+  s += "\n";
   for (int t = 0; t < num_threads(); ++t) {
     std::int64_t rows = 0;
-    for (std::int64_t c = thread_begin[t]; c < thread_begin[t + 1]; ++c) rows += chunks[c].num_rows;
+    for (std::int64_t c = thread_begin_[t]; c < thread_begin_[t + 1]; ++c) {
+      rows += chunks_[c].num_rows;
+    }
     s += "  thread " + std::to_string(t) + ": " +
-         std::to_string(thread_begin[t + 1] - thread_begin[t]) + " chunks, " +
+         std::to_string(thread_begin_[t + 1] - thread_begin_[t]) + " chunks, " +
          std::to_string(rows) + " rows, " + std::to_string(rows * bytes_per_row()) + " bytes\n";
   }
   return s;
@@ -331,43 +441,58 @@ RerouteOutputSpecs infer_reroute(const RerouteInputs& inputs, const Attributes& 
   check_tokens(inputs.tokens, /*token_dtypes_only=*/true, /*index_limit=*/true);
   check_counts_spec(inputs.expert_token_num_per_rank);
   const std::int64_t num_tokens = inputs.tokens.shape()[0];
-  if (inputs.per_token_scales) check_scales(*inputs.per_token_scales, num_tokens);
+  if (inputs.per_token_scales) {
+    check_scales(*inputs.per_token_scales, num_tokens, inputs.tokens.dtype());
+  }
   if (inputs.expert_topk_weight) check_weight(*inputs.expert_topk_weight, num_tokens);
-  check_attributes(attributes);
+  check_attributes(attributes, Direction::kForward);
+  const std::int64_t num_experts = inputs.expert_token_num_per_rank.shape()[1];
+  const std::int64_t rows = expert_rows(attributes, num_tokens, num_experts);
 
   RerouteOutputSpecs specs;
-  specs.permute_tokens = inputs.tokens.spec;
+  specs.permute_tokens = with_rows(inputs.tokens.spec, rows);
   specs.permute_per_token_scales = inputs.per_token_scales
-                                       ? inputs.per_token_scales->spec
-                                       : TensorSpec{DType::kFloat32, {num_tokens}};
-  specs.permute_token_idx = {DType::kInt32, {num_tokens}};
-  specs.expert_token_num = {inputs.expert_token_num_per_rank.dtype(),
-                            {inputs.expert_token_num_per_rank.shape()[1]}};
-  specs.permute_topk_weight = inputs.expert_topk_weight ? inputs.expert_topk_weight->spec
-                                                        : TensorSpec{DType::kFloat32, {0}};
+                                       ? with_rows(inputs.per_token_scales->spec, rows)
+                                       : TensorSpec{DType::kFloat32, {rows}};
+  specs.permute_token_idx = {DType::kInt32,
+                             {attributes.idx_type == kIdxGather ? rows : num_tokens}};
+  specs.expert_token_num = {inputs.expert_token_num_per_rank.dtype(), {num_experts}};
+  specs.permute_topk_weight = inputs.expert_topk_weight
+                                  ? with_rows(inputs.expert_topk_weight->spec, rows)
+                                  : TensorSpec{DType::kFloat32, {0}};
+  detail::checked_nbytes(specs.permute_tokens, "expert_alignment");
+  detail::checked_nbytes(specs.permute_per_token_scales, "expert_alignment");
   return specs;
 }
 
 InverseOutputSpecs infer_inverse(const InverseInputs& inputs, const Attributes& attributes) {
   check_tokens(inputs.tokens, /*token_dtypes_only=*/false, /*index_limit=*/false);
   check_counts_spec(inputs.expert_token_num_per_rank);
-  const std::int64_t num_tokens = inputs.tokens.shape()[0];
-  if (inputs.per_token_scales) check_scales(*inputs.per_token_scales, num_tokens);
-  if (inputs.expert_topk_weight) check_weight(*inputs.expert_topk_weight, num_tokens);
+  const std::int64_t num_rows = inputs.tokens.shape()[0];
+  if (inputs.per_token_scales) check_scales(*inputs.per_token_scales, num_rows, std::nullopt);
+  if (inputs.expert_topk_weight) check_weight(*inputs.expert_topk_weight, num_rows);
+  check_attributes(attributes, Direction::kInverse);
+  const std::int64_t num_tokens =
+      rank_rows(attributes, num_rows, inputs.expert_token_num_per_rank.shape()[1]);
 
   InverseOutputSpecs specs;
-  specs.restored_tokens = inputs.tokens.spec;
-  if (inputs.per_token_scales) specs.restored_per_token_scales = inputs.per_token_scales->spec;
-  if (inputs.expert_topk_weight) specs.restored_topk_weight = inputs.expert_topk_weight->spec;
+  specs.restored_tokens = with_rows(inputs.tokens.spec, num_tokens);
+  if (inputs.per_token_scales) {
+    specs.restored_per_token_scales = with_rows(inputs.per_token_scales->spec, num_tokens);
+  }
+  if (inputs.expert_topk_weight) {
+    specs.restored_topk_weight = with_rows(inputs.expert_topk_weight->spec, num_tokens);
+  }
   return specs;
 }
 
 Plan plan_reroute(const RerouteInputs& inputs, const Attributes& attributes, int num_threads) {
   const RerouteOutputSpecs specs = infer_reroute(inputs, attributes);
-  return make_plan(Direction::kForward, inputs, attributes,
-                   {specs.permute_tokens, specs.permute_per_token_scales, specs.permute_token_idx,
-                    specs.expert_token_num, specs.permute_topk_weight},
-                   num_threads);
+  return detail::PlanBuilder::make(
+      Direction::kForward, inputs, attributes, inputs.tokens.shape()[0],
+      {specs.permute_tokens, specs.permute_per_token_scales, specs.permute_token_idx,
+       specs.expert_token_num, specs.permute_topk_weight},
+      num_threads);
 }
 
 Plan plan_inverse(const InverseInputs& inputs, const Attributes& attributes, int num_threads) {
@@ -375,7 +500,9 @@ Plan plan_inverse(const InverseInputs& inputs, const Attributes& attributes, int
   std::vector<TensorSpec> output_specs = {specs.restored_tokens};
   if (specs.restored_per_token_scales) output_specs.push_back(*specs.restored_per_token_scales);
   if (specs.restored_topk_weight) output_specs.push_back(*specs.restored_topk_weight);
-  return make_plan(Direction::kInverse, inputs, attributes, std::move(output_specs), num_threads);
+  return detail::PlanBuilder::make(Direction::kInverse, inputs, attributes,
+                                   specs.restored_tokens.shape[0], std::move(output_specs),
+                                   num_threads);
 }
 
 }  // namespace moe_reroute

@@ -87,7 +87,8 @@ void per_row_gather(std::byte* dst, const std::byte* src, const std::int32_t* in
 
 Workload::Workload(const WorkloadConfig& config) : config_(config) {
   const std::int64_t a = config.num_tokens;
-  counts = random_counts(config.num_ranks, config.num_experts, a, config.skew,
+  counts = random_counts(config.num_ranks, config.num_experts,
+                         config.num_valid_tokens < 0 ? a : config.num_valid_tokens, config.skew,
                          config.zero_fraction, config.seed);
   const std::size_t count_bytes = size(dtype_bytes(config.count_dtype, 1));
   counts_storage.resize(counts.size() * count_bytes);
@@ -110,10 +111,11 @@ Workload::Workload(const WorkloadConfig& config) : config_(config) {
     weight.resize(size(a * 4));
     fill_random(weight.data(), weight.size(), config.seed + 3);
   }
-  permute_tokens.resize(tokens.size());
-  permute_scales.resize(config.has_scales ? scales.size() : size(a * 4));
-  permute_weight.resize(weight.size());
-  token_idx.resize(size(a * 4));
+  const std::int64_t rows = num_output_rows();
+  permute_tokens.resize(size(dtype_bytes(config.token_dtype, rows * config.hidden)));
+  permute_scales.resize(size(rows * scale_row_bytes()));
+  permute_weight.resize(size(config.has_weight ? rows * 4 : 0));
+  token_idx.resize(size((config.attributes.idx_type == kIdxGather ? rows : a) * 4));
   expert_token_num.resize(size(config.num_experts) * count_bytes);
   poison_outputs();
 }
@@ -129,17 +131,32 @@ RerouteInputs Workload::inputs() const {
   return in;
 }
 
+std::int64_t Workload::num_output_rows() const {
+  const std::int64_t k = config_.attributes.expert_alignment;
+  return k == 1 ? config_.num_tokens : config_.num_tokens + config_.num_experts * (k - 1);
+}
+
+std::int64_t Workload::scale_row_bytes() const {
+  if (!config_.has_scales) return 4;  // the forward's zero float32 per row
+  TensorSpec one_row = scale_spec_;
+  one_row.shape.dims[0] = 1;
+  return one_row.nbytes();
+}
+
 RerouteOutputs Workload::outputs() {
   const WorkloadConfig& c = config_;
+  const std::int64_t rows = num_output_rows();
   RerouteOutputs out;
-  out.permute_tokens = TensorView(permute_tokens.data(), c.token_dtype, {c.num_tokens, c.hidden});
-  out.permute_per_token_scales =
-      c.has_scales ? TensorView(permute_scales.data(), scale_spec_.dtype, scale_spec_.shape)
-                   : TensorView(permute_scales.data(), DType::kFloat32, {c.num_tokens});
-  out.permute_token_idx = TensorView(token_idx.data(), DType::kInt32, {c.num_tokens});
+  out.permute_tokens = TensorView(permute_tokens.data(), c.token_dtype, {rows, c.hidden});
+  Shape scale_shape = c.has_scales ? scale_spec_.shape : Shape{rows};
+  scale_shape.dims[0] = rows;
+  out.permute_per_token_scales = TensorView(
+      permute_scales.data(), c.has_scales ? scale_spec_.dtype : DType::kFloat32, scale_shape);
+  out.permute_token_idx = TensorView(token_idx.data(), DType::kInt32,
+                                     {c.attributes.idx_type == kIdxGather ? rows : c.num_tokens});
   out.expert_token_num = TensorView(expert_token_num.data(), c.count_dtype, {c.num_experts});
   out.permute_topk_weight = c.has_weight
-                                ? TensorView(permute_weight.data(), DType::kFloat32, {c.num_tokens, 1})
+                                ? TensorView(permute_weight.data(), DType::kFloat32, {rows, 1})
                                 : TensorView(nullptr, DType::kFloat32, {0});
   return out;
 }
@@ -151,16 +168,16 @@ ReferenceInputs Workload::reference_inputs() const {
   in.counts = counts;
   in.tokens = tokens.data();
   in.token_row_bytes = dtype_bytes(config_.token_dtype, config_.hidden);
+  // Null means absent to the reference, so A = 0 points at a byte it never reads.
+  static const std::byte kNoRows{};
+  const auto rows_of = [](const std::vector<std::byte>& v) { return v.empty() ? &kNoRows : v.data(); };
   if (config_.has_scales) {
-    in.scales = scales.data();
-    in.scale_row_bytes = config_.num_tokens > 0 ? scale_spec_.nbytes() / config_.num_tokens : 0;
-    if (config_.num_tokens == 0) {
-      TensorSpec one_row = scale_spec_;
-      one_row.shape.dims[0] = 1;
-      in.scale_row_bytes = one_row.nbytes();
-    }
+    in.scales = rows_of(scales);
+    in.scale_row_bytes = scale_row_bytes();
   }
-  if (config_.has_weight) in.weight = weight.data();
+  if (config_.has_weight) in.weight = rows_of(weight);
+  in.num_tokens = config_.num_tokens;
+  in.expert_alignment = config_.attributes.expert_alignment;
   return in;
 }
 
@@ -179,6 +196,31 @@ std::int64_t Workload::bytes_moved() const {
   return read + written;
 }
 
+namespace {
+
+// first_difference over the first `specified_rows` rows of `got`, whose rows
+// after them must still hold the poison.
+std::string rows_difference(const char* name, const std::vector<std::byte>& got,
+                            const std::vector<std::byte>& expected, std::int64_t num_rows,
+                            std::int64_t specified_rows) {
+  if (got.size() != expected.size()) return first_difference(name, got, expected.data(), expected.size());
+  if (num_rows == 0) return "";
+  const std::size_t row_bytes = got.size() / size(num_rows);
+  const std::size_t specified = row_bytes * size(specified_rows);
+  const std::vector<std::byte> head(got.begin(), got.begin() + static_cast<std::ptrdiff_t>(specified));
+  std::string diff = first_difference(name, head, expected.data(), specified);
+  if (!diff.empty()) return diff;
+  for (std::size_t i = specified; i < got.size(); ++i) {
+    if (got[i] != kPoison) {
+      return std::string(name) + ": byte " + std::to_string(i) + " of unspecified row " +
+             std::to_string(i / row_bytes) + " was written";
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
 std::string Workload::compare(const ReferenceOutputs& expected) const {
   std::vector<std::byte> expected_num(expert_token_num.size());
   const std::size_t count_bytes = size(dtype_bytes(config_.count_dtype, 1));
@@ -188,12 +230,14 @@ std::string Workload::compare(const ReferenceOutputs& expected) const {
                 count_bytes == 4 ? static_cast<const void*>(&value32) : &expected.expert_token_num[e],
                 count_bytes);
   }
+  const std::int64_t rows = num_output_rows();
   for (const std::string& diff :
-       {first_difference("permute_tokens", permute_tokens, expected.tokens.data(), expected.tokens.size()),
-        first_difference("permute_per_token_scales", permute_scales, expected.scales.data(),
-                         expected.scales.size()),
-        first_difference("permute_topk_weight", permute_weight, expected.weight.data(),
-                         expected.weight.size()),
+       {rows_difference("permute_tokens", permute_tokens, expected.tokens, rows,
+                        expected.specified_rows),
+        rows_difference("permute_per_token_scales", permute_scales, expected.scales, rows,
+                        expected.specified_rows),
+        rows_difference("permute_topk_weight", permute_weight, expected.weight,
+                        config_.has_weight ? rows : 0, expected.specified_rows),
         first_difference("permute_token_idx", token_idx,
                          reinterpret_cast<const std::byte*>(expected.token_idx.data()),
                          expected.token_idx.size() * 4),

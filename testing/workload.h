@@ -51,6 +51,9 @@ struct WorkloadConfig {
   double zero_fraction = 0.0;
   std::uint64_t seed = 0;
   Attributes attributes;
+  // Rows the counts cover: -1 is all of num_tokens; fewer leaves spare rows
+  // (needs attributes.allow_spare_rows).
+  std::int64_t num_valid_tokens = -1;
 };
 
 /// Owns the inputs and outputs of one forward call, filled with random bytes
@@ -66,7 +69,10 @@ class Workload {
   void poison_outputs();
   /// Bytes the operator reads plus bytes it writes.
   std::int64_t bytes_moved() const;
-  /// "" when every output equals the reference byte for byte, else the first difference.
+  /// Output rows R: num_tokens, plus E * (k - 1) when expert_alignment k > 1.
+  std::int64_t num_output_rows() const;
+  /// "" when every output equals the reference byte for byte, else the first
+  /// difference; rows the contract leaves unspecified must still hold the poison.
   std::string compare(const ReferenceOutputs& expected) const;
 
   std::vector<std::int64_t> counts;
@@ -75,6 +81,8 @@ class Workload {
       expert_token_num;
 
  private:
+  std::int64_t scale_row_bytes() const;
+
   WorkloadConfig config_;
   TensorSpec scale_spec_;
 };

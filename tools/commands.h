@@ -16,8 +16,14 @@ struct RunOptions {
   std::string tokens_dtype, scales_dtype;
   int idx_type = 0;
   int expert_token_num_type = 1;
+  std::int64_t expert_alignment = 1;
+  bool allow_spare_rows = false;
   int threads = 0;
   std::string out;
+
+  Attributes attributes() const {
+    return {expert_token_num_type, idx_type, expert_alignment, allow_spare_rows};
+  }
 };
 
 int run_command(const RunOptions& options);
@@ -32,12 +38,15 @@ struct WorkloadOptions {
   std::int64_t experts = 16;
   std::string tokens_dtype = "int8";
   std::string counts_dtype = "int32";
-  std::string scales = "f32";  // none, f32, f32xS, e8m0 ([A, K, 2], K = ceil(H/64)), e8m0xS
+  // none, f32 ([A]), f32xS, f32k2 ([A, K, 2], K = ceil(H/64)), e8m0a ([A]), e8m0xS, e8m0 ([A, K, 2])
+  std::string scales = "f32";
   bool topk_weight = true;
   double skew = 0.0;
   std::uint64_t seed = 0;
   int idx_type = 0;
   int expert_token_num_type = 1;
+  std::int64_t expert_alignment = 1;
+  std::int64_t valid_tokens = -1;  // rows the counts cover; -1: all (else allow_spare_rows)
 };
 
 /// The testing workload for `options`; throws Error naming the flag for an

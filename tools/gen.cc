@@ -42,6 +42,10 @@ int gen_command(const GenOptions& o) {
   if (attributes.expert_token_num_type != kExpertTokenNumCount) {
     command += " --expert-token-num-type " + std::to_string(attributes.expert_token_num_type);
   }
+  if (attributes.expert_alignment != 1) {
+    command += " --expert-alignment " + std::to_string(attributes.expert_alignment);
+  }
+  if (attributes.allow_spare_rows) command += " --allow-spare-rows";
   out.commit();
   std::cout << command << " --out " << (dir / "out").string() << "\n";
   return 0;

@@ -35,6 +35,10 @@ void add_run_options(CLI::App& command, RunOptions& o, bool forward) {
     command.add_option("--idx-type", o.idx_type, "0 = gather index, 1 = scatter index");
     command.add_option("--expert-token-num-type", o.expert_token_num_type, "0 = cumsum, 1 = count");
   }
+  command.add_option("--expert-alignment", o.expert_alignment,
+                     "k: pad each expert's segment to a multiple of k rows (docs/spec.md section 9)");
+  command.add_flag("--allow-spare-rows", o.allow_spare_rows,
+                   "the counts may sum to less than A (fixed-capacity buffers)");
   command.add_option("--threads", o.threads, "threads, 0 = all hardware threads")
       ->check(CLI::NonNegativeNumber);
   command.add_option("--out", o.out, "output directory (created if missing)")->required();
@@ -49,7 +53,8 @@ void add_workload_options(CLI::App& command, WorkloadOptions& w) {
   command.add_option("--counts-dtype", w.counts_dtype, "int32 or int64")->capture_default_str();
   command
       .add_option("--scales", w.scales,
-                  "none, f32 ([A]), f32xS ([A, S]), e8m0 ([A, ceil(H/64), 2]), e8m0xS ([A, S])")
+                  "none, f32 ([A]), f32xS ([A, S]), f32k2 ([A, ceil(H/64), 2]), e8m0a ([A]), "
+                  "e8m0xS ([A, S]), e8m0 ([A, ceil(H/64), 2])")
       ->capture_default_str();
   command.add_flag("--topk-weight,!--no-topk-weight", w.topk_weight, "give [A, 1] top-k weights");
   command.add_option("--skew", w.skew, "count skew, 0 = uniform")->capture_default_str();
@@ -57,6 +62,11 @@ void add_workload_options(CLI::App& command, WorkloadOptions& w) {
   command.add_option("--idx-type", w.idx_type, "0 = gather index, 1 = scatter index")
       ->capture_default_str();
   command.add_option("--expert-token-num-type", w.expert_token_num_type, "0 = cumsum, 1 = count")
+      ->capture_default_str();
+  command.add_option("--expert-alignment", w.expert_alignment, "k, the expert segment alignment")
+      ->capture_default_str();
+  command.add_option("--valid-tokens", w.valid_tokens,
+                     "rows the counts cover, the rest spare (allow_spare_rows); -1 = all")
       ->capture_default_str();
 }
 

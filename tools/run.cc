@@ -69,9 +69,8 @@ int run_command(const RunOptions& o) {
   const LoadedInputs loaded = load_inputs(o);
   const RerouteInputs inputs{loaded.tokens.view, loaded.counts.view, view_of(loaded.scales),
                              view_of(loaded.weight)};
-  const Attributes attributes{o.expert_token_num_type, o.idx_type};
-  const Plan plan = plan_reroute(inputs, attributes, o.threads);
-  OutputBuffers buffers(plan.output_specs);
+  const Plan plan = plan_reroute(inputs, o.attributes(), o.threads);
+  OutputBuffers buffers(plan.output_specs());
   const std::vector<TensorView>& v = buffers.views;
   run_reroute(plan, inputs, {v[0], v[1], v[2], v[3], v[4]});
   write_outputs(o.out,
@@ -85,8 +84,8 @@ int inverse_command(const RunOptions& o) {
   const LoadedInputs loaded = load_inputs(o);
   const InverseInputs inputs{loaded.tokens.view, loaded.counts.view, view_of(loaded.scales),
                              view_of(loaded.weight)};
-  const Plan plan = plan_inverse(inputs, {}, o.threads);
-  OutputBuffers buffers(plan.output_specs);
+  const Plan plan = plan_inverse(inputs, o.attributes(), o.threads);
+  OutputBuffers buffers(plan.output_specs());
   const std::vector<TensorView>& v = buffers.views;
   InverseOutputs outputs{v[0], std::nullopt, std::nullopt};
   std::vector<std::string> names = {"restored_tokens.npy"};

@@ -19,7 +19,8 @@ DType named_dtype(const std::string& name, const char* flag) {
 }
 
 [[noreturn]] void bad_scales(const std::string& value) {
-  fail("--scales: '" + value + "' must be none, f32, f32xS, e8m0 or e8m0xS with S >= 1");
+  fail("--scales: '" + value +
+       "' must be none, f32, f32xS, f32k2, e8m0a, e8m0xS or e8m0 with S >= 1");
 }
 
 // "f32x4" -> 4 for prefix "f32x"; throws for anything but a positive integer.
@@ -45,9 +46,15 @@ testing::WorkloadConfig workload_config(const WorkloadOptions& o) {
   config.has_weight = o.topk_weight;
   config.skew = o.skew;
   config.seed = o.seed;
-  config.attributes = {o.expert_token_num_type, o.idx_type};
+  config.attributes = {o.expert_token_num_type, o.idx_type, o.expert_alignment,
+                       o.valid_tokens >= 0};
+  config.num_valid_tokens = o.valid_tokens;
   if (o.tokens < 0 || o.hidden < 1 || o.ranks < 1 || o.experts < 1) {
     fail("--tokens >= 0, --hidden >= 1, --ranks >= 1 and --experts >= 1 are required");
+  }
+  if (o.valid_tokens > o.tokens) {
+    fail("--valid-tokens: " + std::to_string(o.valid_tokens) + " exceeds --tokens " +
+         std::to_string(o.tokens));
   }
   config.has_scales = o.scales != "none";
   if (o.scales == "f32") {
@@ -55,6 +62,11 @@ testing::WorkloadConfig workload_config(const WorkloadOptions& o) {
   } else if (o.scales.starts_with("f32x")) {
     config.scale_dtype = DType::kFloat32;
     config.scale_tail = {columns_after(o.scales, "f32x")};
+  } else if (o.scales == "f32k2") {
+    config.scale_dtype = DType::kFloat32;
+    config.scale_tail = {(o.hidden + 63) / 64, 2};
+  } else if (o.scales == "e8m0a") {
+    config.scale_dtype = DType::kFloat8E8M0;
   } else if (o.scales == "e8m0") {
     config.scale_dtype = DType::kFloat8E8M0;
     config.scale_tail = {(o.hidden + 63) / 64, 2};

@@ -2,7 +2,7 @@
 
 /// MoeReRoutingV2: reorders the tokens received by the dispatch AlltoAll from
 /// (source rank, local expert) order to (local expert, source rank) order,
-/// carrying scales and top-k weights, and its inverse. See SPEC.md.
+/// carrying scales and top-k weights, and its inverse. The contract: docs/spec.md.
 ///
 /// Plan, then run: `plan_reroute` validates every argument, infers the output
 /// specs and splits the work; `run_reroute` checks the outputs against the
@@ -81,45 +81,93 @@ struct InverseOutputSpecs {
   bool operator==(const InverseOutputSpecs& other) const = default;
 };
 
-/// A run of `num_rows` rows, contiguous in both source and destination.
+/// A run of `num_rows` rows, contiguous in both source and destination;
+/// `src_row == kPadRows` marks pad rows, written as zeros (section 9).
 struct Chunk {
   std::int64_t src_row = 0;
   std::int64_t dst_row = 0;
   std::int64_t num_rows = 0;
   bool operator==(const Chunk& other) const = default;
 };
+inline constexpr std::int64_t kPadRows = -1;
 
 enum class Direction { kForward, kInverse };
 
-/// Everything a run needs, computed from shapes, attributes and the counts.
-struct MOE_REROUTE_API Plan {
-  Direction direction = Direction::kForward;
-  Attributes attributes;
-  std::int64_t num_tokens = 0;   // A
-  std::int64_t num_ranks = 0;    // N
-  std::int64_t num_experts = 0;  // E
-  std::int64_t token_row_bytes = 0;
-  std::int64_t scale_row_bytes = 0;   // 0 when no scales are given
-  std::int64_t weight_row_bytes = 0;  // 0 when no weights are given
-  std::vector<TensorSpec> input_specs;   // tokens, counts, scales?, weight?
-  std::vector<TensorSpec> output_specs;  // the outputs, in their struct's order
-  std::vector<std::int64_t> src_offset;  // [N * E], block (r, e) at r * E + e
-  std::vector<std::int64_t> dst_offset;  // [N * E]
-  std::vector<std::int64_t> expert_token_num;  // [E], counts or cumsum as written
-  /// The work split: thread t moves chunks[thread_begin[t] .. thread_begin[t+1]).
-  std::vector<Chunk> chunks;
-  std::vector<std::int64_t> thread_begin;
+namespace detail {
+struct PlanBuilder;
+}
 
-  int num_threads() const { return static_cast<int>(thread_begin.size()) - 1; }
+/// Everything a run needs, computed from shapes, attributes and the counts.
+/// Opaque: a run checks that its inputs have the planned specs and that the
+/// counts are the planned ones (N * E values), and throws Error otherwise.
+class MOE_REROUTE_API Plan {
+ public:
+  Direction direction() const { return direction_; }
+  const Attributes& attributes() const { return attributes_; }
+  std::int64_t num_tokens() const { return num_tokens_; }    // A
+  std::int64_t num_ranks() const { return num_ranks_; }      // N
+  std::int64_t num_experts() const { return num_experts_; }  // E
+  std::int64_t token_row_bytes() const { return token_row_bytes_; }
+  std::int64_t scale_row_bytes() const { return scale_row_bytes_; }    // 0: no scales
+  std::int64_t weight_row_bytes() const { return weight_row_bytes_; }  // 0: no weights
+  /// tokens, counts, scales?, weight?
+  const std::vector<TensorSpec>& input_specs() const { return input_specs_; }
+  /// The outputs, in their struct's order.
+  const std::vector<TensorSpec>& output_specs() const { return output_specs_; }
+  /// The counts the plan was made for, [N * E] row-major.
+  const std::vector<std::int64_t>& counts() const { return counts_; }
+  /// Rows before block (r, e) at r * E + e in rank order and in (padded) expert order.
+  const std::vector<std::int64_t>& src_offset() const { return src_offset_; }
+  const std::vector<std::int64_t>& dst_offset() const { return dst_offset_; }
+  /// [E]: the values written to expert_token_num (forward).
+  const std::vector<std::int64_t>& expert_token_num() const { return expert_token_num_; }
+  /// The work split: thread t moves chunks()[thread_begin()[t] .. thread_begin()[t+1]).
+  const std::vector<Chunk>& chunks() const { return chunks_; }
+  const std::vector<std::int64_t>& thread_begin() const { return thread_begin_; }
+  int num_threads() const { return static_cast<int>(thread_begin_.size()) - 1; }
+  /// The rows the counts cover (their sum) and the rows of the padded expert
+  /// segments (the sum of each expert's total rounded up to expert_alignment).
+  std::int64_t num_valid_rows() const { return num_valid_rows_; }
+  std::int64_t num_padded_rows() const { return num_padded_rows_; }
+  /// Rows the chunks write: padded rows forward, valid rows inverse.
+  std::int64_t num_written_rows() const {
+    return direction_ == Direction::kForward ? num_padded_rows_ : num_valid_rows_;
+  }
+  /// Whether the CPU run writes around the cache (streaming stores): the rows
+  /// read plus written outgrow last_level_cache_bytes().
+  bool streaming_stores() const { return streaming_stores_; }
   /// Bytes one row costs across every output (what the split balances).
   std::int64_t bytes_per_row() const;
   /// A few lines: sizes, row bytes and each thread's chunks and bytes.
   std::string to_string() const;
   bool operator==(const Plan& other) const = default;
+
+ private:
+  friend struct detail::PlanBuilder;
+
+  Direction direction_ = Direction::kForward;
+  Attributes attributes_;
+  std::int64_t num_tokens_ = 0;
+  std::int64_t num_ranks_ = 0;
+  std::int64_t num_experts_ = 0;
+  std::int64_t token_row_bytes_ = 0;
+  std::int64_t scale_row_bytes_ = 0;
+  std::int64_t weight_row_bytes_ = 0;
+  std::vector<TensorSpec> input_specs_;
+  std::vector<TensorSpec> output_specs_;
+  std::vector<std::int64_t> counts_;
+  std::vector<std::int64_t> src_offset_;
+  std::vector<std::int64_t> dst_offset_;
+  std::vector<std::int64_t> expert_token_num_;
+  std::vector<Chunk> chunks_;
+  std::vector<std::int64_t> thread_begin_;
+  std::int64_t num_valid_rows_ = 0;
+  std::int64_t num_padded_rows_ = 0;
+  bool streaming_stores_ = false;
 };
 
 /// Output specs from shapes, dtypes and attributes alone (reads no data);
-/// throws Error for any violation of SPEC section 4 but rule 5.
+/// throws Error for any violation of docs/spec.md section 4 but rule 5.
 MOE_REROUTE_API RerouteOutputSpecs infer_reroute(const RerouteInputs& inputs,
                                                  const Attributes& attributes = {});
 MOE_REROUTE_API InverseOutputSpecs infer_inverse(const InverseInputs& inputs,
@@ -151,5 +199,9 @@ MOE_REROUTE_API void moe_re_routing_inverse(const InverseInputs& inputs,
 
 /// The number of threads `num_threads = 0` means here.
 MOE_REROUTE_API int hardware_threads();
+
+/// The last-level cache the CPU backend sizes its streaming threshold by, in
+/// bytes (sysfs, then sysconf, else 32 MiB), read once.
+MOE_REROUTE_API std::int64_t last_level_cache_bytes();
 
 }  // namespace moe_reroute

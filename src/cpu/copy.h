@@ -4,11 +4,8 @@
 // memcpy leaves speed behind (outputs larger than the last-level cache, and
 // destinations 1 to 63 bytes past the source modulo 4 KiB).
 
-#include <unistd.h>
-
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
 #include <cstring>
 
 #if defined(__x86_64__)
@@ -16,25 +13,6 @@
 #endif
 
 namespace moe_reroute::detail {
-
-/// The L3 cache that this CPU shares, in bytes, read once: sysfs first, since
-/// in VMs sysconf can report the whole package (256 MiB for a 32 MiB L3 on
-/// the development EPYC); then sysconf; else 32 MiB.
-inline std::int64_t last_level_cache_bytes() {
-  static const std::int64_t bytes = [] {
-    std::int64_t kib = 0;
-    if (std::FILE* file = std::fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "r")) {
-      long long value = 0;
-      char unit = 0;
-      if (std::fscanf(file, "%lld%c", &value, &unit) == 2 && unit == 'K') kib = value;
-      std::fclose(file);
-    }
-    if (kib > 0) return kib * 1024;
-    const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
-    return l3 > 0 ? static_cast<std::int64_t>(l3) : std::int64_t{32} << 20;
-  }();
-  return bytes;
-}
 
 #if defined(__x86_64__)
 

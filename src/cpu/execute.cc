@@ -1,12 +1,15 @@
 // CPU execution: each thread memcpys its planned chunks of token, scale and
-// weight rows and writes the matching index entries. No dtype dispatch: rows
-// are bytes.
+// weight rows (zeros for pad rows) and writes the matching index entries. No
+// dtype dispatch: rows are bytes.
 
 #include <omp.h>
+#include <unistd.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <optional>
+#include <string>
 
 #include "../check.h"
 #include "copy.h"
@@ -27,7 +30,7 @@ struct RowStream {
     if (row_bytes == 0) return;
     std::byte* to = static_cast<std::byte*>(dst) + chunk.dst_row * row_bytes;
     const std::size_t bytes = static_cast<std::size_t>(chunk.num_rows * row_bytes);
-    if (src == nullptr) {
+    if (src == nullptr || chunk.src_row == kPadRows) {
       std::memset(to, 0, bytes);
     } else {
       detail::copy_bytes(to, static_cast<const std::byte*>(src) + chunk.src_row * row_bytes, bytes,
@@ -36,29 +39,25 @@ struct RowStream {
   }
 };
 
-// Streams once the rows read plus written outgrow the last-level cache: then
-// the output would not be in the cache for its reader anyway.
-bool streaming(const Plan& plan) {
-  return 2 * plan.num_tokens * plan.bytes_per_row() > detail::last_level_cache_bytes();
-}
-
 void* data_of(const std::optional<TensorView>& view) { return view ? view->data : nullptr; }
 
 // Runs `body(chunk)` over every chunk of the plan, one planned slice per thread.
 template <typename Body>
 void for_each_chunk(const Plan& plan, const Body& body) {
   const int num_threads = plan.num_threads();
+  const std::vector<Chunk>& chunks = plan.chunks();
+  const std::vector<std::int64_t>& thread_begin = plan.thread_begin();
 #pragma omp parallel for num_threads(num_threads) schedule(static, 1) if (num_threads > 1)
   for (int t = 0; t < num_threads; ++t) {
-    for (std::int64_t c = plan.thread_begin[t]; c < plan.thread_begin[t + 1]; ++c) {
-      body(plan.chunks[static_cast<std::size_t>(c)]);
+    for (std::int64_t c = thread_begin[t]; c < thread_begin[t + 1]; ++c) {
+      body(chunks[static_cast<std::size_t>(c)]);
     }
     detail::stream_fence();
   }
 }
 
 void check_direction(const Plan& plan, Direction direction) {
-  if (plan.direction != direction) {
+  if (plan.direction() != direction) {
     detail::fail(ErrorCode::kInvalidArgument,
                  direction == Direction::kForward
                      ? "plan: made by plan_inverse, run with run_reroute"
@@ -66,59 +65,115 @@ void check_direction(const Plan& plan, Direction direction) {
   }
 }
 
+// A plan holds the layout of the counts it was made for: run with other
+// counts it would write that layout, so the counts are compared first.
+void check_planned_counts(const Plan& plan, const TensorView& counts) {
+  const std::vector<std::int64_t>& planned = plan.counts();
+  for (std::size_t i = 0; i < planned.size(); ++i) {
+    const std::int64_t value = detail::load_count(counts, static_cast<std::int64_t>(i));
+    if (value != planned[i]) {
+      const std::int64_t num_experts = plan.num_experts();
+      const auto block = static_cast<std::int64_t>(i);
+      detail::fail(ErrorCode::kInvalidArgument,
+                   "expert_token_num_per_rank: count[" + std::to_string(block / num_experts) +
+                       "][" + std::to_string(block % num_experts) + "] is " +
+                       std::to_string(value) + " but the plan was made for " +
+                       std::to_string(planned[i]) + "; plan again for new counts");
+    }
+  }
+}
+
+// Writes -1 to index entries [begin, end): every byte 0xFF.
+void fill_unset(void* index, std::int64_t begin, std::int64_t end) {
+  if (end > begin) {
+    std::memset(static_cast<std::byte*>(index) + begin * 4, 0xFF,
+                static_cast<std::size_t>((end - begin) * 4));
+  }
+}
+
 }  // namespace
+
+std::int64_t last_level_cache_bytes() {
+  // sysfs first: in VMs sysconf can report the whole package (256 MiB for a
+  // 32 MiB L3 on the development EPYC).
+  static const std::int64_t bytes = [] {
+    std::int64_t kib = 0;
+    if (std::FILE* file = std::fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "r")) {
+      long long value = 0;
+      char unit = 0;
+      if (std::fscanf(file, "%lld%c", &value, &unit) == 2 && unit == 'K') kib = value;
+      std::fclose(file);
+    }
+    if (kib > 0) return kib * 1024;
+    const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+    return l3 > 0 ? static_cast<std::int64_t>(l3) : std::int64_t{32} << 20;
+  }();
+  return bytes;
+}
 
 void run_reroute(const Plan& plan, const RerouteInputs& inputs, const RerouteOutputs& outputs) {
   check_direction(plan, Direction::kForward);
-  detail::check_run_arguments(plan.input_specs, detail::named_inputs(inputs), plan.output_specs,
-                              detail::named_outputs(outputs));
+  detail::check_run_arguments(plan.input_specs(), detail::named_inputs(inputs),
+                              plan.output_specs(), detail::named_outputs(outputs));
+  check_planned_counts(plan, inputs.expert_token_num_per_rank);
 
-  const bool stream = streaming(plan);
-  const RowStream tokens{inputs.tokens.data, outputs.permute_tokens.data, plan.token_row_bytes,
+  const bool stream = plan.streaming_stores();
+  const RowStream tokens{inputs.tokens.data, outputs.permute_tokens.data, plan.token_row_bytes(),
                          stream};
-  // Without scales the output is [A] float32 zeros.
+  // Without scales the output is [R] float32 zeros.
   const RowStream scales{data_of(inputs.per_token_scales), outputs.permute_per_token_scales.data,
-                         inputs.per_token_scales ? plan.scale_row_bytes
+                         inputs.per_token_scales ? plan.scale_row_bytes()
                                                  : std::int64_t{sizeof(float)},
                          stream};
   const RowStream weight{data_of(inputs.expert_topk_weight), outputs.permute_topk_weight.data,
-                         plan.weight_row_bytes, stream};
-  auto* index = static_cast<std::int32_t*>(outputs.permute_token_idx.data);
-  const bool gather = plan.attributes.idx_type == kIdxGather;
+                         plan.weight_row_bytes(), stream};
+  void* index = outputs.permute_token_idx.data;
+  const bool gather = plan.attributes().idx_type == kIdxGather;
 
   for_each_chunk(plan, [&](const Chunk& chunk) {
     tokens.move(chunk);
     scales.move(chunk);
     weight.move(chunk);
+    if (chunk.src_row == kPadRows) {
+      if (gather) fill_unset(index, chunk.dst_row, chunk.dst_row + chunk.num_rows);
+      return;
+    }
     const std::int64_t from = gather ? chunk.src_row : chunk.dst_row;
-    std::int32_t* to = index + (gather ? chunk.dst_row : chunk.src_row);
-    for (std::int64_t k = 0; k < chunk.num_rows; ++k) to[k] = static_cast<std::int32_t>(from + k);
+    const std::int64_t to = gather ? chunk.dst_row : chunk.src_row;
+    for (std::int64_t k = 0; k < chunk.num_rows; ++k) {
+      detail::store(index, to + k, static_cast<std::int32_t>(from + k));
+    }
   });
+  // Gather: -1 at the tail rows; scatter: -1 for the spare rows.
+  fill_unset(index, gather ? plan.num_padded_rows() : plan.num_valid_rows(),
+             outputs.permute_token_idx.shape()[0]);
 
-  void* expert_token_num = outputs.expert_token_num.data;
-  for (std::size_t e = 0; e < plan.expert_token_num.size(); ++e) {
+  const std::vector<std::int64_t>& expert_token_num = plan.expert_token_num();
+  for (std::size_t e = 0; e < expert_token_num.size(); ++e) {
+    const auto i = static_cast<std::int64_t>(e);
     if (outputs.expert_token_num.dtype() == DType::kInt32) {
-      static_cast<std::int32_t*>(expert_token_num)[e] =
-          static_cast<std::int32_t>(plan.expert_token_num[e]);
+      detail::store(outputs.expert_token_num.data, i,
+                    static_cast<std::int32_t>(expert_token_num[e]));
     } else {
-      static_cast<std::int64_t*>(expert_token_num)[e] = plan.expert_token_num[e];
+      detail::store(outputs.expert_token_num.data, i, expert_token_num[e]);
     }
   }
 }
 
 void run_inverse(const Plan& plan, const InverseInputs& inputs, const InverseOutputs& outputs) {
   check_direction(plan, Direction::kInverse);
-  detail::check_run_arguments(plan.input_specs, detail::named_inputs(inputs), plan.output_specs,
-                              detail::named_outputs(inputs, outputs));
+  detail::check_run_arguments(plan.input_specs(), detail::named_inputs(inputs),
+                              plan.output_specs(), detail::named_outputs(inputs, outputs));
+  check_planned_counts(plan, inputs.expert_token_num_per_rank);
 
-  const bool stream = streaming(plan);
-  const RowStream tokens{inputs.tokens.data, outputs.restored_tokens.data, plan.token_row_bytes,
-                         stream};
+  const bool stream = plan.streaming_stores();
+  const RowStream tokens{inputs.tokens.data, outputs.restored_tokens.data,
+                         plan.token_row_bytes(), stream};
   const RowStream scales{data_of(inputs.per_token_scales),
-                         data_of(outputs.restored_per_token_scales), plan.scale_row_bytes,
+                         data_of(outputs.restored_per_token_scales), plan.scale_row_bytes(),
                          stream};
   const RowStream weight{data_of(inputs.expert_topk_weight),
-                         data_of(outputs.restored_topk_weight), plan.weight_row_bytes, stream};
+                         data_of(outputs.restored_topk_weight), plan.weight_row_bytes(), stream};
   for_each_chunk(plan, [&](const Chunk& chunk) {
     tokens.move(chunk);
     scales.move(chunk);

@@ -240,8 +240,10 @@ INSTANTIATE_TEST_SUITE_P(
              {"--tokens-dtype", "hifloat8", "--experts", "1", "--tokens", "17"},
              1,
              0},
-        Case{"float4_e2m1_mx_scales",
-             {"--tokens-dtype", "float4_e2m1", "--hidden", "256", "--scales", "e8m0"}},
+        Case{"float8_e5m2_mx_scales",
+             {"--tokens-dtype", "float8_e5m2", "--hidden", "256", "--scales", "e8m0"}},
+        Case{"float4_e2m1_e8m0_rows",
+             {"--tokens-dtype", "float4_e2m1", "--hidden", "256", "--scales", "e8m0a"}},
         Case{"float4_e1m2_e8m0x3_scatter",
              {"--tokens-dtype", "float4_e1m2", "--hidden", "18", "--scales", "e8m0x3"},
              1,
@@ -249,6 +251,99 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"float32_bare", {"--tokens-dtype", "float32", "--scales", "none", "--no-topk-weight"}},
         Case{"uint8_zero_tokens", {"--tokens-dtype", "uint8", "--tokens", "0"}}),
     [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+// Rule 7's pairing table (docs/spec.md), written out for the tests: the gen
+// scale forms each token dtype takes. The refused rest is BadInput.ScalePairingTable.
+const std::vector<std::string> kScaleForms = {"none",  "f32",    "f32x3", "f32k2",
+                                              "e8m0a", "e8m0x3", "e8m0"};
+
+bool scales_pair(const std::string& tokens, const std::string& scales) {
+  const bool fp8 = tokens == "float8_e5m2" || tokens == "float8_e4m3fn";
+  const bool fp4 = tokens == "float4_e2m1" || tokens == "float4_e1m2";
+  if (scales == "none" || scales == "f32" || scales == "f32x3") return true;
+  if (scales == "f32k2" || scales == "e8m0") return fp8;
+  return fp8 || fp4;
+}
+
+const std::vector<std::string> kTokenDtypes = {
+    "float16",     "bfloat16",    "int8",        "float8_e5m2", "float8_e4m3fn",
+    "hifloat8",    "float4_e2m1", "float4_e1m2", "float32",     "uint8"};
+
+std::vector<Case> pairing_cases(bool accepted) {
+  std::vector<Case> cases;
+  for (const std::string& tokens : kTokenDtypes) {
+    for (const std::string& scales : kScaleForms) {
+      if (scales_pair(tokens, scales) != accepted) continue;
+      cases.push_back({tokens + "_" + scales,
+                       {"--tokens-dtype", tokens, "--hidden", "128", "--tokens", "48", "--scales",
+                        scales}});
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    ScalePairingTable, EndToEnd, ::testing::ValuesIn(pairing_cases(true)),
+    [](const ::testing::TestParamInfo<Case>& info) { return info.param.name; });
+
+// Static shapes (docs/spec.md section 9): gen with spare rows and k = 16, then
+// run; rows the contract fixes match the naive reference, the index in full.
+TEST(StaticShapes, RunAndInverseFollowTheAlignedLayout) {
+  for (const int idx_type : {0, 1}) {
+    const TestDir dir;
+    const Result gen = run_cli({"gen", "--out", (dir / "in").string(), "--tokens", "200",
+                                "--valid-tokens", "150", "--expert-alignment", "16", "--hidden",
+                                "24", "--ranks", "3", "--experts", "5", "--tokens-dtype",
+                                "bfloat16", "--expert-token-num-type", "0", "--idx-type",
+                                std::to_string(idx_type)});
+    ASSERT_EQ(gen.status, 0) << gen.err;
+    EXPECT_THAT(gen.out, HasSubstr("--expert-alignment 16 --allow-spare-rows"));
+    const Result run = run_cli(printed_run_args(gen.out, dir / "out"));
+    ASSERT_EQ(run.status, 0) << run.err;
+
+    const auto in = [&](const char* name) { return read_npy(dir / "in" / name, name); };
+    const auto out = [&](const char* name) { return read_npy(dir / "out" / name, name); };
+    const NpyArray tokens = in("tokens.npy"), counts = in("counts.npy");
+    const NpyArray scales = in("scales.npy"), weight = in("topk_weight.npy");
+    testing::ReferenceInputs ref;
+    ref.num_ranks = 3;
+    ref.num_experts = 5;
+    ref.counts = counts_of(counts);
+    ref.tokens = tokens.data.data();
+    ref.token_row_bytes = row_bytes(tokens);
+    ref.scales = scales.data.data();
+    ref.scale_row_bytes = row_bytes(scales);
+    ref.weight = weight.data.data();
+    ref.num_tokens = 200;
+    ref.expert_alignment = 16;
+    const testing::ReferenceOutputs expected = testing::reference_reroute(ref, 0, idx_type);
+    const std::int64_t rows = 200 + 5 * 15;
+    const NpyArray permute_tokens = out("permute_tokens.npy");
+    EXPECT_EQ(permute_tokens.shape, (std::vector<std::int64_t>{rows, 24}));
+    const auto specified = [&](const NpyArray& got, const std::vector<std::byte>& want) {
+      const std::size_t bytes = static_cast<std::size_t>(expected.specified_rows * row_bytes(got));
+      return got.data.size() == want.size() &&
+             std::equal(want.begin(), want.begin() + static_cast<std::ptrdiff_t>(bytes),
+                        got.data.begin());
+    };
+    EXPECT_TRUE(specified(permute_tokens, expected.tokens)) << "permute_tokens";
+    EXPECT_TRUE(specified(out("permute_per_token_scales.npy"), expected.scales));
+    EXPECT_TRUE(specified(out("permute_topk_weight.npy"), expected.weight));
+    EXPECT_TRUE(bytes_of(out("permute_token_idx.npy")) == bytes_of(expected.token_idx));
+    EXPECT_EQ(counts_of(out("expert_token_num.npy")), expected.expert_token_num);
+
+    // And back: R rows to A = 200, the 150 valid rows restored.
+    const Result inverse = run_cli(
+        {"inverse", "--tokens", (dir / "out" / "permute_tokens.npy").string(), "--counts",
+         (dir / "in" / "counts.npy").string(), "--tokens-dtype", "bfloat16",
+         "--expert-alignment", "16", "--allow-spare-rows", "--out", (dir / "back").string()});
+    ASSERT_EQ(inverse.status, 0) << inverse.err;
+    const NpyArray restored = read_npy(dir / "back" / "restored_tokens.npy", "restored");
+    EXPECT_EQ(restored.shape, tokens.shape);
+    EXPECT_TRUE(std::equal(tokens.data.begin(), tokens.data.begin() + 150 * 48,
+                           restored.data.begin()));
+  }
+}
 
 TEST(Cli, PrintsTheVersion) {
   const Result result = run_cli({"--version"});
@@ -387,7 +482,7 @@ TEST_F(BadInput, Spec4Violations) {
   expect_refused({}, "per_token_scales: dtype int8", {{"--scales", file("si.npy", "|i1", {64})}});
   expect_refused({}, "per_token_scales: dtype uint8 must be float32 or float8_e8m0",
                  {{"--scales", file("se.npy", "|u1", {64})}});
-  expect_refused({"--scales-dtype", "float8_e8m0"}, "per_token_scales: float8_e8m0 scales must be",
+  expect_refused({"--scales-dtype", "float8_e8m0"}, "per_token_scales: float8_e8m0 scales pair only",
                  {{"--scales", file("se1.npy", "|u1", {64})}});
   expect_refused({}, "expert_topk_weight: dim 1 must be 1",
                  {{"--topk-weight", file("w2.npy", "<f4", {64, 2})}});
@@ -397,6 +492,32 @@ TEST_F(BadInput, Spec4Violations) {
                  {{"--topk-weight", file("w0.npy", "<f4", {32, 1})}});
   expect_refused({"--idx-type", "2"}, "idx_type: must be 0");
   expect_refused({"--expert-token-num-type", "-1"}, "expert_token_num_type: must be 0");
+}
+
+// The refused rows of rule 7's pairing table, each through `run`.
+TEST_F(BadInput, ScalePairingTable) {
+  ASSERT_EQ(pairing_cases(/*accepted=*/false).size(), 28u);  // 6 x 4 plain + 2 x 2 FP4 rows
+  for (const Case& c : pairing_cases(/*accepted=*/false)) {
+    SCOPED_TRACE(c.name);
+    const std::string tokens = c.gen_args[1], scales = c.gen_args[7];
+    const bool fp4 = tokens.starts_with("float4");
+    const char* descr = tokens == "float16"    ? "<f2"
+                        : tokens == "bfloat16" ? "<u2"
+                        : tokens == "int8"     ? "|i1"
+                        : tokens == "float32"  ? "<f4"
+                                               : "|u1";
+    const bool named = std::string(descr) == "<u2" || (std::string(descr) == "|u1" && tokens != "uint8");
+    std::vector<std::string> extra;
+    if (named) extra = {"--tokens-dtype", tokens};
+    const bool e8m0 = scales.starts_with("e8m0");
+    if (e8m0) extra.insert(extra.end(), {"--scales-dtype", "float8_e8m0"});
+    const std::vector<std::int64_t> shape = scales == "f32" || scales == "e8m0a" ? std::vector<std::int64_t>{64}
+                                            : scales.ends_with("x3") ? std::vector<std::int64_t>{64, 3}
+                                                                     : std::vector<std::int64_t>{64, 1, 2};
+    expect_refused(extra, "per_token_scales: ",
+                   {{"--tokens", file("t.npy", descr, {64, fp4 ? 8 : 16})},
+                    {"--scales", file("s.npy", e8m0 ? "|u1" : "<f4", shape)}});
+  }
 }
 
 TEST_F(BadInput, DtypeNames) {

@@ -17,10 +17,27 @@ namespace {
 using testing::Workload;
 using testing::WorkloadConfig;
 
+// The plan streams exactly when the rows read plus written outgrow the
+// measured last-level cache; planning reads only the counts, so sizes on both
+// sides of the threshold need no data.
+TEST(CopyPath, StreamingThresholdFollowsTheMeasuredCache) {
+  const std::int64_t hidden = 7168;
+  const std::int64_t bytes_per_row = hidden + 4 + 4;  // tokens, zero scale, index
+  const std::int64_t threshold_rows = last_level_cache_bytes() / (2 * bytes_per_row);
+  for (const std::int64_t rows : {threshold_rows, threshold_rows + 1}) {
+    const std::vector<std::int64_t> counts = {rows};
+    const Plan plan = plan_reroute({TensorView(nullptr, DType::kInt8, {rows, hidden}),
+                                    TensorView(counts.data(), DType::kInt64, {1, 1})});
+    ASSERT_EQ(plan.bytes_per_row(), bytes_per_row);
+    EXPECT_EQ(plan.streaming_stores(), rows > threshold_rows) << rows << " rows";
+  }
+}
+
 TEST(CopyPath, StreamingStoresMoveEveryByteOfAnOutputBiggerThanTheCache) {
   WorkloadConfig config;
-  config.num_tokens = 8192;  // 58 MB of tokens, 117 MB read + written: past any L3 here
   config.hidden = 7168 + 3;  // rows that are not a multiple of 16 or 64 bytes
+  // Rows read + written (tokens, f32 scale and weight, index) past this machine's cache.
+  config.num_tokens = last_level_cache_bytes() / (2 * (config.hidden + 12)) + 512;
   config.skew = 1.0;
   config.zero_fraction = 0.2;
   Workload workload(config);
@@ -29,7 +46,9 @@ TEST(CopyPath, StreamingStoresMoveEveryByteOfAnOutputBiggerThanTheCache) {
       config.attributes.idx_type);
   for (int threads : {1, 2}) {
     workload.poison_outputs();
-    moe_re_routing(workload.inputs(), workload.outputs(), config.attributes, threads);
+    const Plan plan = plan_reroute(workload.inputs(), config.attributes, threads);
+    ASSERT_TRUE(plan.streaming_stores());
+    run_reroute(plan, workload.inputs(), workload.outputs());
     EXPECT_EQ(workload.compare(expected), "") << threads << " threads";
   }
 }

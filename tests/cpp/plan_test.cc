@@ -53,9 +53,9 @@ std::vector<std::int64_t> rows_per_thread(const Plan& plan) {
   std::vector<std::int64_t> rows;
   for (int t = 0; t < plan.num_threads(); ++t) {
     std::int64_t sum = 0;
-    for (std::int64_t c = plan.thread_begin[static_cast<std::size_t>(t)];
-         c < plan.thread_begin[static_cast<std::size_t>(t) + 1]; ++c) {
-      sum += plan.chunks[static_cast<std::size_t>(c)].num_rows;
+    for (std::int64_t c = plan.thread_begin()[static_cast<std::size_t>(t)];
+         c < plan.thread_begin()[static_cast<std::size_t>(t) + 1]; ++c) {
+      sum += plan.chunks()[static_cast<std::size_t>(c)].num_rows;
     }
     rows.push_back(sum);
   }
@@ -65,14 +65,14 @@ std::vector<std::int64_t> rows_per_thread(const Plan& plan) {
 // "" when every destination row is written by exactly one chunk, from the
 // source row the naive reference says, and threads own consecutive chunks.
 std::string split_difference(const Plan& plan, const std::vector<std::int32_t>& gather) {
-  const bool forward = plan.direction == Direction::kForward;
-  std::vector<int> written(static_cast<std::size_t>(plan.num_tokens), 0);
-  if (plan.thread_begin.front() != 0 ||
-      plan.thread_begin.back() != static_cast<std::int64_t>(plan.chunks.size()) ||
-      !std::is_sorted(plan.thread_begin.begin(), plan.thread_begin.end())) {
+  const bool forward = plan.direction() == Direction::kForward;
+  std::vector<int> written(static_cast<std::size_t>(plan.num_tokens()), 0);
+  if (plan.thread_begin().front() != 0 ||
+      plan.thread_begin().back() != static_cast<std::int64_t>(plan.chunks().size()) ||
+      !std::is_sorted(plan.thread_begin().begin(), plan.thread_begin().end())) {
     return "thread_begin does not partition the chunks";
   }
-  for (const Chunk& chunk : plan.chunks) {
+  for (const Chunk& chunk : plan.chunks()) {
     if (chunk.num_rows <= 0) return "empty chunk at dst_row " + std::to_string(chunk.dst_row);
     for (std::int64_t k = 0; k < chunk.num_rows; ++k) {
       const std::int64_t src = chunk.src_row + k;
@@ -97,18 +97,18 @@ std::string split_difference(const Plan& plan, const std::vector<std::int32_t>& 
 
 TEST(PlanValue, WorkedExampleOffsetsAndChunks) {
   const Plan plan = plan_reroute(kWorkedExample.inputs(DType::kFloat32, 2), {}, 1);
-  EXPECT_EQ(plan.src_offset, (std::vector<std::int64_t>{0, 1, 1, 3, 5, 6}));
-  EXPECT_EQ(plan.dst_offset, (std::vector<std::int64_t>{0, 3, 4, 1, 3, 6}));
-  EXPECT_EQ(plan.expert_token_num, (std::vector<std::int64_t>{3, 1, 2}));
-  EXPECT_EQ(plan.chunks, (std::vector<Chunk>{{0, 0, 1}, {3, 1, 2}, {5, 3, 1}, {1, 4, 2}}));
-  EXPECT_EQ(plan.thread_begin, (std::vector<std::int64_t>{0, 4}));
+  EXPECT_EQ(plan.src_offset(), (std::vector<std::int64_t>{0, 1, 1, 3, 5, 6}));
+  EXPECT_EQ(plan.dst_offset(), (std::vector<std::int64_t>{0, 3, 4, 1, 3, 6}));
+  EXPECT_EQ(plan.expert_token_num(), (std::vector<std::int64_t>{3, 1, 2}));
+  EXPECT_EQ(plan.chunks(), (std::vector<Chunk>{{0, 0, 1}, {3, 1, 2}, {5, 3, 1}, {1, 4, 2}}));
+  EXPECT_EQ(plan.thread_begin(), (std::vector<std::int64_t>{0, 4}));
 
   const Plan cumsum = plan_reroute(kWorkedExample.inputs(DType::kFloat32, 2),
                                    {kExpertTokenNumCumsum, kIdxGather}, 1);
-  EXPECT_EQ(cumsum.expert_token_num, (std::vector<std::int64_t>{3, 4, 6}));
+  EXPECT_EQ(cumsum.expert_token_num(), (std::vector<std::int64_t>{3, 4, 6}));
 
   const Plan inverse = plan_inverse(kWorkedExample.inverse_inputs(DType::kFloat32, 2), {}, 1);
-  EXPECT_EQ(inverse.chunks, (std::vector<Chunk>{{0, 0, 1}, {4, 1, 2}, {1, 3, 2}, {3, 5, 1}}));
+  EXPECT_EQ(inverse.chunks(), (std::vector<Chunk>{{0, 0, 1}, {4, 1, 2}, {1, 3, 2}, {3, 5, 1}}));
 }
 
 TEST(PlanValue, ToStringShowsSizesRowBytesAndEachThreadsShare) {
@@ -126,9 +126,9 @@ TEST(PlanValue, BytesPerRowCountsEveryOutput) {
   inputs.per_token_scales = TensorView(scales.data(), DType::kFloat32, {6, 3});
   inputs.expert_topk_weight = TensorView(weight.data(), DType::kFloat32, {6, 1});
   const Plan plan = plan_reroute(inputs, {}, 1);
-  EXPECT_EQ(plan.token_row_bytes, 5);
-  EXPECT_EQ(plan.scale_row_bytes, 12);
-  EXPECT_EQ(plan.weight_row_bytes, 4);
+  EXPECT_EQ(plan.token_row_bytes(), 5);
+  EXPECT_EQ(plan.scale_row_bytes(), 12);
+  EXPECT_EQ(plan.weight_row_bytes(), 4);
   EXPECT_EQ(plan.bytes_per_row(), 5 + 12 + 4 + 4);
 }
 
@@ -182,9 +182,9 @@ TEST_P(WorkSplit, OneHugeBlockIsCutIntoEqualConsecutivePieces) {
   const CountsOnly counts(3, 2, {0, 0, 0, 1000, 0, 0});
   const Plan p = plan(counts, 1 << 14, 4);
   ASSERT_EQ(p.num_threads(), 4);
-  EXPECT_EQ(p.thread_begin, (std::vector<std::int64_t>{0, 1, 2, 3, 4}));
+  EXPECT_EQ(p.thread_begin(), (std::vector<std::int64_t>{0, 1, 2, 3, 4}));
   for (std::int64_t t = 0; t < 4; ++t) {
-    const Chunk& chunk = p.chunks[static_cast<std::size_t>(t)];
+    const Chunk& chunk = p.chunks()[static_cast<std::size_t>(t)];
     EXPECT_EQ(chunk.num_rows, 250);
     EXPECT_EQ(chunk.dst_row, 250 * t);
     EXPECT_EQ(chunk.src_row, 250 * t);
@@ -202,7 +202,7 @@ TEST_P(WorkSplit, ChunkBiggerThanAShareSplitsAtRowBoundaries) {
   EXPECT_EQ(rows_per_thread(p), (std::vector<std::int64_t>{200, 200, 200, 200}));
   EXPECT_EQ(split_difference(p, counts.gather_index()), "");
   std::int64_t max_rows = 0;
-  for (const Chunk& chunk : p.chunks) max_rows = std::max(max_rows, chunk.num_rows);
+  for (const Chunk& chunk : p.chunks()) max_rows = std::max(max_rows, chunk.num_rows);
   EXPECT_LE(max_rows, 200);
 }
 
@@ -215,8 +215,8 @@ TEST_P(WorkSplit, TinyInputsUseOneThread) {
 TEST_P(WorkSplit, NoTokensGiveOneThreadAndNoChunks) {
   const Plan empty = plan(CountsOnly(2, 2, {0, 0, 0, 0}), 64, 8);
   EXPECT_EQ(empty.num_threads(), 1);
-  EXPECT_TRUE(empty.chunks.empty());
-  EXPECT_EQ(empty.thread_begin, (std::vector<std::int64_t>{0, 0}));
+  EXPECT_TRUE(empty.chunks().empty());
+  EXPECT_EQ(empty.thread_begin(), (std::vector<std::int64_t>{0, 0}));
 }
 
 TEST_P(WorkSplit, NeverMoreThreadsThanRows) {

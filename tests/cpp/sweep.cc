@@ -55,27 +55,62 @@ std::string scale_form_name(ScaleForm form) {
       return "f32_A";
     case ScaleForm::kFloat32AS:
       return "f32_AS";
-    case ScaleForm::kE8m0AK2:
-      return "e8m0_AK2";
+    case ScaleForm::kFloat32AK2:
+      return "f32_AK2";
+    case ScaleForm::kE8m0A:
+      return "e8m0_A";
     case ScaleForm::kE8m0AS:
       return "e8m0_AS";
+    case ScaleForm::kE8m0AK2:
+      return "e8m0_AK2";
   }
   return "";
 }
 
+bool scales_pair(DType token_dtype, ScaleForm form) {
+  const bool fp8 = token_dtype == DType::kFloat8E5M2 || token_dtype == DType::kFloat8E4M3FN;
+  const bool fp4 = token_dtype == DType::kFloat4E2M1 || token_dtype == DType::kFloat4E1M2;
+  switch (form) {
+    case ScaleForm::kNone:
+    case ScaleForm::kFloat32A:
+    case ScaleForm::kFloat32AS:
+      return true;
+    case ScaleForm::kFloat32AK2:
+    case ScaleForm::kE8m0AK2:
+      return fp8;
+    case ScaleForm::kE8m0A:
+    case ScaleForm::kE8m0AS:
+      return fp8 || fp4;
+  }
+  return false;
+}
+
+std::vector<std::tuple<DType, ScaleForm>> scale_pairings(bool accepted) {
+  std::vector<std::tuple<DType, ScaleForm>> pairings;
+  for (DType dtype : token_dtypes()) {
+    for (ScaleForm form : kScaleForms) {
+      if (scales_pair(dtype, form) == accepted) pairings.emplace_back(dtype, form);
+    }
+  }
+  return pairings;
+}
+
 void set_scale_form(testing::WorkloadConfig& config, ScaleForm form, std::int64_t width) {
   config.has_scales = form != ScaleForm::kNone;
-  const bool e8m0 = form == ScaleForm::kE8m0AK2 || form == ScaleForm::kE8m0AS;
+  const bool e8m0 = form == ScaleForm::kE8m0A || form == ScaleForm::kE8m0AS ||
+                    form == ScaleForm::kE8m0AK2;
   config.scale_dtype = e8m0 ? DType::kFloat8E8M0 : DType::kFloat32;
   switch (form) {
     case ScaleForm::kNone:
     case ScaleForm::kFloat32A:
+    case ScaleForm::kE8m0A:
       config.scale_tail = {};
       break;
     case ScaleForm::kFloat32AS:
     case ScaleForm::kE8m0AS:
       config.scale_tail = {width};
       break;
+    case ScaleForm::kFloat32AK2:
     case ScaleForm::kE8m0AK2:
       config.scale_tail = {std::max<std::int64_t>(1, config.hidden / 64), 2};
       break;

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "moe_reroute/reroute.h"
@@ -31,12 +32,20 @@ struct DTypeParamName {
   }
 };
 
-enum class ScaleForm { kNone, kFloat32A, kFloat32AS, kE8m0AK2, kE8m0AS };
-inline constexpr ScaleForm kScaleForms[] = {ScaleForm::kNone, ScaleForm::kFloat32A,
-                                            ScaleForm::kFloat32AS, ScaleForm::kE8m0AK2,
-                                            ScaleForm::kE8m0AS};
-/// "none", "f32_A", "f32_AS", "e8m0_AK2", "e8m0_AS".
+enum class ScaleForm {
+  kNone, kFloat32A, kFloat32AS, kFloat32AK2, kE8m0A, kE8m0AS, kE8m0AK2
+};
+inline constexpr ScaleForm kScaleForms[] = {ScaleForm::kNone,       ScaleForm::kFloat32A,
+                                            ScaleForm::kFloat32AS,  ScaleForm::kFloat32AK2,
+                                            ScaleForm::kE8m0A,      ScaleForm::kE8m0AS,
+                                            ScaleForm::kE8m0AK2};
+/// "none", "f32_A", "f32_AS", "f32_AK2", "e8m0_A", "e8m0_AS", "e8m0_AK2".
 std::string scale_form_name(ScaleForm form);
+/// The pairing table of docs/spec.md rule 7, written out here for the tests:
+/// whether the forward takes scales of `form` beside tokens of `token_dtype`.
+bool scales_pair(DType token_dtype, ScaleForm form);
+/// Every (token dtype, scale form) the forward takes (`accepted`) or refuses.
+std::vector<std::tuple<DType, ScaleForm>> scale_pairings(bool accepted);
 /// Sets the config's scales to `form`; S is `width`, K is hidden / 64 (at least 1).
 void set_scale_form(testing::WorkloadConfig& config, ScaleForm form, std::int64_t width = 3);
 

@@ -89,6 +89,12 @@ std::vector<Refusal> forward_refusals() {
   const auto with_scales = [](ScaleForm form) {
     return [form](WorkloadConfig& c) { set_scale_form(c, form, 2); };
   };
+  const auto with_fp8_scales = [](ScaleForm form) {
+    return [form](WorkloadConfig& c) {
+      c.token_dtype = DType::kFloat8E4M3FN;
+      set_scale_form(c, form, 2);
+    };
+  };
   const auto tokens_as = [](DType dtype, Shape shape) {
     return [dtype, shape](Workload& w) {
       forward(w, [&](ForwardCall& c) { c.inputs.tokens.spec = {dtype, shape}; });
@@ -192,13 +198,18 @@ std::vector<Refusal> forward_refusals() {
       {"scales_2d_dim0_not_a", keep_config, scales_as(f32, {65, 2}), invalid,
        {"per_token_scales", "dim 0 is 65", "64 rows"}},
       {"scales_float32_3d", keep_config, scales_as(f32, {64, 1, 2}), invalid,
-       {"per_token_scales", "[A] or [A, S]", "[64, 1, 2]"}},
+       {"per_token_scales", "bfloat16 tokens", "[A], [A, S], got", "[64, 1, 2]"}},
       {"scales_float32_0d", keep_config, scales_as(f32, Shape{}), invalid,
        {"per_token_scales", "float32[]"}},
-      {"scales_e8m0_1d", with_scales(ScaleForm::kE8m0AS), scales_as(DType::kFloat8E8M0, {64}),
-       invalid, {"per_token_scales", "float8_e8m0", "[64]"}},
-      {"scales_e8m0_last_dim_not_2", with_scales(ScaleForm::kE8m0AK2),
-       scales_as(DType::kFloat8E8M0, {64, 1, 3}), invalid, {"per_token_scales", "[64, 1, 3]"}},
+      {"scales_e8m0_with_bfloat16_tokens", with_scales(ScaleForm::kE8m0AS),
+       scales_as(DType::kFloat8E8M0, {64, 2}), unsupported,
+       {"per_token_scales", "float8_e8m0", "bfloat16 tokens"}},
+      {"scales_e8m0_last_dim_not_2", with_fp8_scales(ScaleForm::kE8m0AK2),
+       scales_as(DType::kFloat8E8M0, {64, 1, 3}), invalid,
+       {"per_token_scales", "float8_e4m3fn tokens", "[A], [A, S], [A, K, 2]", "[64, 1, 3]"}},
+      {"scales_e8m0_4d", with_fp8_scales(ScaleForm::kE8m0AK2),
+       scales_as(DType::kFloat8E8M0, {64, 1, 2, 1}), invalid,
+       {"per_token_scales", "[64, 1, 2, 1]"}},
       {"scales_width_0", keep_config, scales_as(f32, {64, 0}), invalid,
        {"per_token_scales", "dim 1", "[64, 0]"}},
       {"scales_dtype_int8", keep_config, scales_as(DType::kInt8, {64, 8}), unsupported,

@@ -60,7 +60,7 @@ TEST(CudaSourceRow, MatchesTheNaiveReference) {
     reference.token_row_bytes = 1;
     for (const Direction direction : {Direction::kForward, Direction::kInverse}) {
       const BlockTables tables =
-          detail::block_tables(direction, plan.src_offset.data(), plan.dst_offset.data(),
+          detail::block_tables(direction, plan.src_offset().data(), plan.dst_offset().data(),
                                c.num_ranks, c.num_experts);
       const std::vector<std::int32_t> expected =
           testing::reference_reroute(reference, kExpertTokenNumCount,

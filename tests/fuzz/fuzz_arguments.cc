@@ -239,16 +239,16 @@ void require_equal(const char* name, const std::vector<std::byte>& got, const vo
 }
 
 void require_plan_tiles(const Plan& plan) {
-  const std::int64_t num_tokens = plan.num_tokens;
-  require(plan.num_threads() >= 1 && plan.thread_begin.front() == 0 &&
-              plan.thread_begin.back() == static_cast<std::int64_t>(plan.chunks.size()),
+  const std::int64_t num_tokens = plan.num_tokens();
+  require(plan.num_threads() >= 1 && plan.thread_begin().front() == 0 &&
+              plan.thread_begin().back() == static_cast<std::int64_t>(plan.chunks().size()),
           "plan: thread_begin does not partition the chunks");
   for (int t = 0; t < plan.num_threads(); ++t) {
-    require(plan.thread_begin[t] <= plan.thread_begin[t + 1], "plan: thread_begin decreases");
+    require(plan.thread_begin()[t] <= plan.thread_begin()[t + 1], "plan: thread_begin decreases");
   }
   for (bool source : {true, false}) {
     std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
-    for (const Chunk& chunk : plan.chunks) {
+    for (const Chunk& chunk : plan.chunks()) {
       require(chunk.num_rows > 0, "plan: empty chunk");
       ranges.emplace_back(source ? chunk.src_row : chunk.dst_row, chunk.num_rows);
     }

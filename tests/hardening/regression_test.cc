@@ -39,7 +39,7 @@ TEST(FuzzFinding, ZeroRowsDoNotHideAnOverlongRow) {
   // A long row that does fit is still fine with no rows.
   RerouteInputs long_row{
       TensorView(nullptr, DType::kFloat32, {0, std::int64_t{1} << 40}), counts, {}, {}};
-  EXPECT_EQ(plan_reroute(long_row).token_row_bytes, std::int64_t{1} << 42);
+  EXPECT_EQ(plan_reroute(long_row).token_row_bytes(), std::int64_t{1} << 42);
 }
 
 }  // namespace

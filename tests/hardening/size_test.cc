@@ -164,7 +164,8 @@ TEST(Large, TokensPast4GiBForwardAndBack) {
 
   // Sampled full rows: both ends, every chunk edge of the plan, and random ones.
   std::vector<std::int64_t> sampled = {0, kNumTokens - 1};
-  for (const Chunk& chunk : plan_reroute(inputs).chunks) {
+  const Plan plan = plan_reroute(inputs);
+  for (const Chunk& chunk : plan.chunks()) {
     sampled.push_back(chunk.dst_row);
     sampled.push_back(chunk.dst_row + chunk.num_rows - 1);
   }
