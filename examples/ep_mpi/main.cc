@@ -33,6 +33,15 @@ struct Options {
   ep::LayerConfig config;
   int repeat = 0;
   int threads = 0;
+  // Static shapes (docs/spec.md section 9): receive into a buffer of the worst
+  // case P * T * K rows, the counts covering fewer (allow_spare_rows), with each
+  // expert's segment padded to a multiple of expert_alignment rows.
+  bool fixed_capacity = false;
+  std::int64_t expert_alignment = 1;
+
+  std::int64_t capacity() const {
+    return std::int64_t{config.num_ranks} * config.tokens_per_rank * config.topk;
+  }
 };
 
 // Per-destination-rank row counts and displacements of one Alltoallv, scaled
@@ -114,8 +123,10 @@ std::vector<float> run_layer(const Options& options, const ep::RankInput& input,
 
   const auto send_rows = rank_totals(send_count, c.num_ranks, c.experts_per_rank);
   const auto recv_rows = rank_totals(recv_count, c.num_ranks, c.experts_per_rank);
-  std::int64_t num_recv = 0;
-  for (const std::int64_t rows : recv_rows) num_recv += rows;
+  std::int64_t num_valid = 0;
+  for (const std::int64_t rows : recv_rows) num_valid += rows;
+  // A: the rows received, or the fixed capacity they land in.
+  const std::int64_t num_recv = options.fixed_capacity ? options.capacity() : num_valid;
   const auto recv_size = static_cast<std::size_t>(num_recv);
   std::vector<std::int8_t> recv_tokens(recv_size * hidden);
   std::vector<float> recv_scales(recv_size);
@@ -126,47 +137,56 @@ std::vector<float> run_layer(const Options& options, const ep::RankInput& input,
   alltoallv(send_weights, exchange_of(send_rows, 1), recv_weights, exchange_of(recv_rows, 1), MPI_FLOAT);
   lap(kDispatch);
 
-  const mr::Shape rows_shape{num_recv};
-  const mr::Shape weight_shape{num_recv, 1};
+  // Cumsum mode: each expert's segment end, the layout a grouped GEMM reads.
+  const mr::Attributes attributes{mr::kExpertTokenNumCumsum, mr::kIdxGather,
+                                  options.expert_alignment, options.fixed_capacity};
   const mr::TensorView counts_view(recv_count.data(), mr::DType::kInt32,
                                    {c.num_ranks, c.experts_per_rank});
-  std::vector<std::int8_t> permute_tokens(recv_tokens.size());
-  std::vector<float> permute_scales(recv_size);
-  std::vector<std::int32_t> permute_idx(recv_size);
-  std::vector<std::int32_t> expert_token_num(static_cast<std::size_t>(c.experts_per_rank));
-  std::vector<float> permute_weights(recv_size);
-  mr::moe_re_routing(
-      {.tokens = {recv_tokens.data(), mr::DType::kInt8, {num_recv, c.hidden}},
-       .expert_token_num_per_rank = counts_view,
-       .per_token_scales = mr::TensorView(recv_scales.data(), mr::DType::kFloat32, rows_shape),
-       .expert_topk_weight = mr::TensorView(recv_weights.data(), mr::DType::kFloat32, weight_shape)},
-      {.permute_tokens = {permute_tokens.data(), mr::DType::kInt8, {num_recv, c.hidden}},
-       .permute_per_token_scales = {permute_scales.data(), mr::DType::kFloat32, rows_shape},
-       .permute_token_idx = {permute_idx.data(), mr::DType::kInt32, rows_shape},
-       .expert_token_num = {expert_token_num.data(), mr::DType::kInt32, {c.experts_per_rank}},
-       .permute_topk_weight = {permute_weights.data(), mr::DType::kFloat32, weight_shape}},
-      {}, options.threads);
+  const mr::RerouteInputs reroute_in{
+      .tokens = {recv_tokens.data(), mr::DType::kInt8, {num_recv, c.hidden}},
+      .expert_token_num_per_rank = counts_view,
+      .per_token_scales = mr::TensorView(recv_scales.data(), mr::DType::kFloat32, {num_recv}),
+      .expert_topk_weight = mr::TensorView(recv_weights.data(), mr::DType::kFloat32, {num_recv, 1})};
+  const mr::Plan plan = mr::plan_reroute(reroute_in, attributes, options.threads);
+  // R output rows: A, plus room for the padding when k > 1.
+  const std::int64_t num_rows = plan.output_specs()[0].shape[0];
+  const auto rows = static_cast<std::size_t>(num_rows);
+  std::vector<std::int8_t> permute_tokens(rows * hidden);
+  std::vector<float> permute_scales(rows);
+  std::vector<std::int32_t> permute_idx(rows);
+  std::vector<std::int32_t> segment_end(static_cast<std::size_t>(c.experts_per_rank));
+  std::vector<float> permute_weights(rows);
+  mr::run_reroute(
+      plan, reroute_in,
+      {.permute_tokens = {permute_tokens.data(), mr::DType::kInt8, {num_rows, c.hidden}},
+       .permute_per_token_scales = {permute_scales.data(), mr::DType::kFloat32, {num_rows}},
+       .permute_token_idx = {permute_idx.data(), mr::DType::kInt32, {num_rows}},
+       .expert_token_num = {segment_end.data(), mr::DType::kInt32, {c.experts_per_rank}},
+       .permute_topk_weight = {permute_weights.data(), mr::DType::kFloat32, {num_rows, 1}}});
   lap(kReroute);
 
-  // Each local expert's rows are contiguous now: expert_token_num are the group sizes.
-  std::vector<float> expert_out(recv_size * out_hidden);
-  std::size_t row = 0;
+  // Expert e's rows start where expert e - 1's segment ends; the ranks' counts
+  // say how many of them are valid (the rest pad).
+  std::vector<float> expert_out(rows * out_hidden);
   for (int e = 0; e < c.experts_per_rank; ++e) {
     const int expert = rank * c.experts_per_rank + e;
-    for (std::int32_t i = 0; i < expert_token_num[static_cast<std::size_t>(e)]; ++i, ++row) {
+    std::size_t row = e == 0 ? 0 : static_cast<std::size_t>(segment_end[static_cast<std::size_t>(e) - 1]);
+    std::int64_t valid = 0;
+    for (int r = 0; r < c.num_ranks; ++r) valid += recv_count[static_cast<std::size_t>(r * c.experts_per_rank + e)];
+    for (std::int64_t i = 0; i < valid; ++i, ++row) {
       ep::expert_row(c, expert, &permute_tokens[row * hidden], permute_scales[row],
                      permute_weights[row], &expert_out[row * out_hidden]);
     }
   }
   lap(kExperts);
 
-  std::vector<float> restored(expert_out.size());
+  std::vector<float> restored(recv_size * out_hidden);
   mr::InverseInputs inverse_in;
-  inverse_in.tokens = {expert_out.data(), mr::DType::kFloat32, {num_recv, c.out_hidden}};
+  inverse_in.tokens = {expert_out.data(), mr::DType::kFloat32, {num_rows, c.out_hidden}};
   inverse_in.expert_token_num_per_rank = counts_view;
   mr::InverseOutputs inverse_out;
   inverse_out.restored_tokens = {restored.data(), mr::DType::kFloat32, {num_recv, c.out_hidden}};
-  mr::moe_re_routing_inverse(inverse_in, inverse_out, {}, options.threads);
+  mr::moe_re_routing_inverse(inverse_in, inverse_out, attributes, options.threads);
   lap(kInverse);
 
   std::vector<float> returned(num_send * out_hidden);
@@ -219,6 +239,8 @@ void print_times(const std::vector<std::array<double, kNumStages>>& times, const
   std::string json = "{\"ranks\": " + std::to_string(options.config.num_ranks) +
                      ", \"verified\": " + (verified ? "true" : "false") +
                      ", \"tokens_per_rank\": " + std::to_string(options.config.tokens_per_rank) +
+                     ", \"fixed_capacity\": " + (options.fixed_capacity ? "true" : "false") +
+                     ", \"expert_alignment\": " + std::to_string(options.expert_alignment) +
                      ", \"times_ms\": {";
   for (int s = 0; s < kNumStages; ++s) {
     char value[64];
@@ -273,6 +295,11 @@ int main(int argc, char** argv) {
   app.add_option("--seed", c.seed, "seed of inputs and routing");
   app.add_option("--repeat", options.repeat, "timed runs of the layer")->check(CLI::Range(1, 100000));
   app.add_option("--threads", options.threads, "threads per rank for the re-routing (0: all)")->check(CLI::Range(0, 1024));
+  app.add_flag("--fixed-capacity", options.fixed_capacity,
+               "receive into a worst-case buffer of P * T * K rows (allow_spare_rows)");
+  app.add_option("--expert-alignment", options.expert_alignment,
+                 "pad each expert's segment to a multiple of this many rows")
+      ->check(CLI::Range(1, 1 << 20));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
