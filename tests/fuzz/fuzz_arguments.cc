@@ -115,15 +115,40 @@ void draw_counts(FuzzedDataProvider& provider, Arguments& arguments) {
   }
 }
 
-// A: usually the counts' sum (so the call is consistent), else any size.
+// expert_alignment: usually 1, else a small or an edge value.
+std::int64_t draw_alignment(FuzzedDataProvider& provider) {
+  constexpr std::int64_t kAlignments[] = {2, 3, 16, 128, 0, -1, std::int64_t{1} << 40,
+                                          std::numeric_limits<std::int64_t>::max()};
+  return provider.ConsumeIntegralInRange<int>(0, 3) != 3 ? 1 : provider.PickValueInArray(kAlignments);
+}
+
+// A: usually the counts' sum (so the call is consistent; with spare rows up
+// to 8 more), else any size.
 std::int64_t draw_num_tokens(FuzzedDataProvider& provider, const Arguments& arguments) {
   std::int64_t sum = 0;
   bool summable = !arguments.count_values.empty();
   for (std::int64_t value : arguments.count_values) {
     summable = summable && !__builtin_add_overflow(sum, value, &sum);
   }
-  if (summable && provider.ConsumeIntegralInRange<int>(0, 7) != 7) return sum;
+  if (summable && provider.ConsumeIntegralInRange<int>(0, 7) != 7) {
+    const std::int64_t spare =
+        arguments.attributes.allow_spare_rows ? provider.ConsumeIntegralInRange<std::int64_t>(0, 8) : 0;
+    return sum <= std::numeric_limits<std::int64_t>::max() - spare ? sum + spare : sum;
+  }
   return draw_size(provider, 64);
+}
+
+// The rows of the tokens: A, or for the inverse R = A + E * (k - 1) when that fits.
+std::int64_t token_rows(const Arguments& arguments, std::int64_t num_tokens,
+                        bool expert_ordered_tokens) {
+  const std::int64_t k = arguments.attributes.expert_alignment;
+  std::int64_t pad = 0, rows = num_tokens;
+  if (!expert_ordered_tokens || k <= 1 || arguments.counts.shape().ndim != 2 ||
+      __builtin_mul_overflow(arguments.counts.shape()[1], k - 1, &pad) ||
+      __builtin_add_overflow(num_tokens, pad, &rows)) {
+    return num_tokens;
+  }
+  return rows;
 }
 
 // dim 0 of scales or weight: usually A.
@@ -133,14 +158,17 @@ std::int64_t draw_rows(FuzzedDataProvider& provider, std::int64_t num_tokens) {
 
 }  // namespace
 
-Arguments decode_arguments(FuzzedDataProvider& provider) {
+Arguments decode_arguments(FuzzedDataProvider& provider, bool expert_ordered_tokens) {
   Arguments arguments;
   arguments.num_threads = provider.ConsumeIntegralInRange<int>(0, 4);
   arguments.attributes.expert_token_num_type = draw_attribute(provider);
   arguments.attributes.idx_type = draw_attribute(provider);
+  arguments.attributes.expert_alignment = draw_alignment(provider);
+  arguments.attributes.allow_spare_rows = provider.ConsumeBool();
   draw_counts(provider, arguments);
 
-  const std::int64_t num_tokens = draw_num_tokens(provider, arguments);
+  const std::int64_t num_tokens =
+      token_rows(arguments, draw_num_tokens(provider, arguments), expert_ordered_tokens);
   const DType token_dtype = draw_dtype(
       provider, {DType::kInt8, DType::kFloat16, DType::kBFloat16, DType::kFloat32,
                  DType::kFloat8E4M3FN, DType::kFloat4E2M1, DType::kFloat4E1M2, DType::kUInt8});
@@ -217,6 +245,9 @@ bool Buffers::outputs_untouched() const {
 }
 
 testing::ReferenceInputs reference_inputs(const Arguments& arguments, const Buffers& buffers) {
+  // Null means absent to the reference, so no rows point at a byte it never reads.
+  static const std::byte kNoRows{};
+  const auto rows_of = [](const std::vector<std::byte>& v) { return v.empty() ? &kNoRows : v.data(); };
   testing::ReferenceInputs in;
   in.num_ranks = arguments.counts.shape()[0];
   in.num_experts = arguments.counts.shape()[1];
@@ -224,10 +255,11 @@ testing::ReferenceInputs reference_inputs(const Arguments& arguments, const Buff
   in.tokens = buffers.tokens.data();
   in.token_row_bytes = row_bytes(arguments.tokens.spec);
   if (arguments.scales) {
-    in.scales = buffers.scales.data();
+    in.scales = rows_of(buffers.scales);
     in.scale_row_bytes = row_bytes(arguments.scales->spec);
   }
-  if (arguments.weight) in.weight = buffers.weight.data();
+  if (arguments.weight) in.weight = rows_of(buffers.weight);
+  in.expert_alignment = arguments.attributes.expert_alignment;
   return in;
 }
 
@@ -238,33 +270,54 @@ void require_equal(const char* name, const std::vector<std::byte>& got, const vo
   require(difference.empty(), difference + " (reference)");
 }
 
+void require_rows(const char* name, const std::vector<std::byte>& got,
+                  const std::vector<std::byte>& expected, std::int64_t num_rows,
+                  std::int64_t specified_rows) {
+  require(got.size() == expected.size(), std::string(name) + ": wrong size");
+  if (num_rows == 0) return;
+  const std::size_t specified = got.size() / static_cast<std::size_t>(num_rows) *
+                                static_cast<std::size_t>(specified_rows);
+  require(std::memcmp(got.data(), expected.data(), specified) == 0,
+          std::string(name) + " differs from the reference");
+  for (std::size_t i = specified; i < got.size(); ++i) {
+    require(got[i] == kPoison, std::string(name) + ": an unspecified row was written");
+  }
+}
+
 void require_plan_tiles(const Plan& plan) {
-  const std::int64_t num_tokens = plan.num_tokens();
   require(plan.num_threads() >= 1 && plan.thread_begin().front() == 0 &&
               plan.thread_begin().back() == static_cast<std::int64_t>(plan.chunks().size()),
           "plan: thread_begin does not partition the chunks");
   for (int t = 0; t < plan.num_threads(); ++t) {
     require(plan.thread_begin()[t] <= plan.thread_begin()[t + 1], "plan: thread_begin decreases");
   }
-  for (bool source : {true, false}) {
-    std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
-    for (const Chunk& chunk : plan.chunks()) {
-      require(chunk.num_rows > 0, "plan: empty chunk");
-      ranges.emplace_back(source ? chunk.src_row : chunk.dst_row, chunk.num_rows);
-    }
-    std::sort(ranges.begin(), ranges.end());
-    std::int64_t next = 0;
-    for (const auto& [first, rows] : ranges) {
-      if (first != next || rows > num_tokens - first) {
-        require(false, std::string("plan: chunks do not tile the ") +
-                           (source ? "source" : "destination") + " rows at row " +
-                           std::to_string(next));
-      }
-      next = first + rows;
-    }
-    require(next == num_tokens, "plan: chunks cover " + std::to_string(next) + " of " +
-                                    std::to_string(num_tokens) + " rows");
+  // Destinations (pad rows included) tile the written rows; the sources of
+  // the moved rows are disjoint and add up to the valid rows.
+  std::vector<std::pair<std::int64_t, std::int64_t>> destinations, sources;
+  for (const Chunk& chunk : plan.chunks()) {
+    require(chunk.num_rows > 0, "plan: empty chunk");
+    destinations.emplace_back(chunk.dst_row, chunk.num_rows);
+    if (chunk.src_row != kPadRows) sources.emplace_back(chunk.src_row, chunk.num_rows);
   }
+  std::sort(destinations.begin(), destinations.end());
+  std::int64_t next = 0;
+  for (const auto& [first, rows] : destinations) {
+    require(first == next, "plan: chunks do not tile the destination rows at row " +
+                               std::to_string(next));
+    next = first + rows;
+  }
+  require(next == plan.num_written_rows(), "plan: chunks cover " + std::to_string(next) + " of " +
+                                               std::to_string(plan.num_written_rows()) + " rows");
+  std::sort(sources.begin(), sources.end());
+  std::int64_t end = 0, moved = 0;
+  for (const auto& [first, rows] : sources) {
+    require(first >= end, "plan: source rows overlap at row " + std::to_string(first));
+    end = first + rows;
+    moved += rows;
+  }
+  require(moved == plan.num_valid_rows(), "plan: chunks move " + std::to_string(moved) + " of " +
+                                              std::to_string(plan.num_valid_rows()) + " rows");
+  require(end <= plan.input_specs()[0].shape[0], "plan: a source row past the tokens");
 }
 
 std::string break_one_output(FuzzedDataProvider& provider, const std::vector<TensorView*>& outputs,

@@ -36,7 +36,9 @@ struct Arguments {
   std::vector<std::int64_t> count_values;  // as stored, widened; empty when counts has no data
 };
 
-Arguments decode_arguments(FuzzedDataProvider& provider);
+/// `expert_ordered_tokens`: the tokens are the inverse's R expert-ordered rows,
+/// so a consistent call has A + E * (k - 1) of them.
+Arguments decode_arguments(FuzzedDataProvider& provider, bool expert_ordered_tokens);
 
 /// Aborts with `what` when `condition` fails: the fuzzer's finding.
 void require(bool condition, const std::string& what);
@@ -81,6 +83,12 @@ void require_equal(const char* name, const std::vector<std::byte>& got, const vo
 
 /// Aborts unless the plan's chunks tile [0, A) in both source and destination
 /// rows (every row moved exactly once) and the threads partition the chunks.
+/// Requires the first `specified_rows` of `num_rows` rows of `got` to equal
+/// `expected` and the rest to hold the poison.
+void require_rows(const char* name, const std::vector<std::byte>& got,
+                  const std::vector<std::byte>& expected, std::int64_t num_rows,
+                  std::int64_t specified_rows);
+
 void require_plan_tiles(const Plan& plan);
 
 /// Sometimes breaks one of `outputs` so that running must fail: a wrong dtype,

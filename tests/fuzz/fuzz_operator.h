@@ -21,7 +21,7 @@ namespace moe_reroute::fuzz {
 template <typename Operator>
 int fuzz_operator(const std::uint8_t* data, std::size_t size) {
   FuzzedDataProvider provider(data, size);
-  const Arguments arguments = decode_arguments(provider);
+  const Arguments arguments = decode_arguments(provider, Operator::kExpertOrderedTokens);
   const typename Operator::Inputs shapes{arguments.tokens, arguments.counts, arguments.scales,
                                          arguments.weight};
 
@@ -45,7 +45,7 @@ int fuzz_operator(const std::uint8_t* data, std::size_t size) {
     return 0;
   }
   if (plan) {
-    require(plan->output_specs == *output_specs, "plan and inference disagree on the outputs");
+    require(plan->output_specs() == *output_specs, "plan and inference disagree on the outputs");
     require_plan_tiles(*plan);
   }
   std::vector<TensorSpec> all_specs = *output_specs;

@@ -9,6 +9,7 @@ namespace {
 
 struct Forward {
   using Inputs = RerouteInputs;
+  static constexpr bool kExpertOrderedTokens = false;
 
   static std::vector<TensorSpec> infer(const Inputs& inputs, const Attributes& attributes) {
     const RerouteOutputSpecs specs = infer_reroute(inputs, attributes);
@@ -29,17 +30,21 @@ struct Forward {
     run_reroute(plan, inputs, outputs(views));
   }
   static void check_against_reference(const Arguments& arguments, const Buffers& buffers) {
+    testing::ReferenceInputs in = reference_inputs(arguments, buffers);
+    in.num_tokens = arguments.tokens.shape()[0];
     const testing::ReferenceOutputs expected = testing::reference_reroute(
-        reference_inputs(arguments, buffers), arguments.attributes.expert_token_num_type,
-        arguments.attributes.idx_type);
-    require_equal("permute_tokens", buffers.outputs[0], expected.tokens.data(),
-                  expected.tokens.size());
-    require_equal("permute_per_token_scales", buffers.outputs[1], expected.scales.data(),
-                  expected.scales.size());
+        in, arguments.attributes.expert_token_num_type, arguments.attributes.idx_type);
+    // R, the output rows (rows are at least one byte: H >= 1).
+    const std::int64_t num_rows =
+        static_cast<std::int64_t>(buffers.outputs[0].size()) / row_bytes(arguments.tokens.spec);
+    require_rows("permute_tokens", buffers.outputs[0], expected.tokens, num_rows,
+                 expected.specified_rows);
+    require_rows("permute_per_token_scales", buffers.outputs[1], expected.scales, num_rows,
+                 expected.specified_rows);
     require_equal("permute_token_idx", buffers.outputs[2], expected.token_idx.data(),
                   expected.token_idx.size() * sizeof(std::int32_t));
-    require_equal("permute_topk_weight", buffers.outputs[4], expected.weight.data(),
-                  expected.weight.size());
+    require_rows("permute_topk_weight", buffers.outputs[4], expected.weight,
+                 arguments.weight ? num_rows : 0, expected.specified_rows);
     const bool int32 = arguments.counts.dtype() == DType::kInt32;
     const std::vector<std::byte>& got = buffers.outputs[3];
     require(got.size() == expected.expert_token_num.size() * (int32 ? 4 : 8),
