@@ -1,6 +1,6 @@
 // Concurrent calls: many threads running the operator at once on their own
 // buffers, and one plan run from several threads at once; every result must
-// equal the serial one byte for byte (and the serial one the naive reference).
+// equal the naive reference byte for byte (the inverse: the original inputs).
 
 #include <gtest/gtest.h>
 
@@ -39,52 +39,37 @@ WorkloadConfig caller_config(int caller) {
   return config;
 }
 
-// The bytes of every output of the workload, in order.
-std::vector<std::byte> output_bytes(const Workload& w) {
-  std::vector<std::byte> all;
-  for (const auto* buffer : {&w.permute_tokens, &w.permute_scales, &w.permute_weight, &w.token_idx,
-                             &w.expert_token_num}) {
-    all.insert(all.end(), buffer->begin(), buffer->end());
-  }
-  return all;
-}
-
-// Runs the workload alone on one thread and checks it against the reference.
-std::vector<std::byte> serial_result(Workload& w) {
-  w.poison_outputs();
-  moe_re_routing(w.inputs(), w.outputs(), w.config().attributes, 1);
-  const std::string diff = w.compare(
-      testing::reference_reroute(w.reference_inputs(), w.config().attributes.expert_token_num_type,
-                                 w.config().attributes.idx_type));
-  EXPECT_EQ(diff, "");
-  return output_bytes(w);
+testing::ReferenceOutputs reference_of(const Workload& w) {
+  return testing::reference_reroute(w.reference_inputs(),
+                                    w.config().attributes.expert_token_num_type,
+                                    w.config().attributes.idx_type);
 }
 
 TEST(Concurrency, ManyCallersOnSeparateBuffers) {
   std::vector<Workload> workloads;
-  std::vector<std::vector<std::byte>> serial;
-  for (int caller = 0; caller < kNumCallers; ++caller)
+  std::vector<testing::ReferenceOutputs> expected;
+  for (int caller = 0; caller < kNumCallers; ++caller) {
     workloads.emplace_back(caller_config(caller));
-  for (Workload& w : workloads) serial.push_back(serial_result(w));
-
-  std::vector<std::vector<std::vector<std::byte>>> results(kNumCallers);
+    expected.push_back(reference_of(workloads.back()));
+  }
+  std::vector<std::vector<std::string>> differences(kNumCallers);
   std::vector<std::thread> callers;
   for (int caller = 0; caller < kNumCallers; ++caller) {
     callers.emplace_back([&, caller] {
-      Workload& w = workloads[static_cast<std::size_t>(caller)];
+      const auto c = static_cast<std::size_t>(caller);
+      Workload& w = workloads[c];
       for (int repeat = 0; repeat < kRepeats; ++repeat) {
         w.poison_outputs();
         // 0 (all hardware threads) and 1 to 3: OpenMP teams inside every caller.
         moe_re_routing(w.inputs(), w.outputs(), w.config().attributes, repeat);
-        results[static_cast<std::size_t>(caller)].push_back(output_bytes(w));
+        differences[c].push_back(w.compare(expected[c]));
       }
     });
   }
   for (std::thread& t : callers) t.join();
   for (int caller = 0; caller < kNumCallers; ++caller) {
     for (int repeat = 0; repeat < kRepeats; ++repeat) {
-      EXPECT_TRUE(results[static_cast<std::size_t>(caller)][static_cast<std::size_t>(repeat)] ==
-                  serial[static_cast<std::size_t>(caller)])
+      EXPECT_EQ(differences[static_cast<std::size_t>(caller)][static_cast<std::size_t>(repeat)], "")
           << "caller " << caller << " repeat " << repeat;
     }
   }
@@ -94,8 +79,7 @@ TEST(Concurrency, OnePlanFromManyThreads) {
   WorkloadConfig config = caller_config(2);  // has scales [A, 4] and a weight
   config.num_tokens = 20000;
   const Workload shared(config);
-  Workload serial_run = shared;
-  const std::vector<std::byte> serial = serial_result(serial_run);
+  const testing::ReferenceOutputs expected = reference_of(shared);
 
   const Plan plan = plan_reroute(shared.inputs(), config.attributes, 2);
   const Plan inverse_plan =
@@ -112,7 +96,8 @@ TEST(Concurrency, OnePlanFromManyThreads) {
         w.poison_outputs();
         // Inputs from the shared workload, outputs of this caller.
         run_reroute(plan, shared.inputs(), w.outputs());
-        if (output_bytes(w) != serial) failures[static_cast<std::size_t>(caller)] = "forward";
+        const std::string forward = w.compare(expected);
+        if (!forward.empty()) failures[static_cast<std::size_t>(caller)] = forward;
         // And back: the forward's outputs through the shared inverse plan.
         std::vector<std::byte> restored(shared.tokens.size(), std::byte{0x5A});
         RerouteOutputs out = w.outputs();
