@@ -332,10 +332,6 @@ LoadedTensor load_tensor(const std::filesystem::path& path, std::string_view arg
                        ": the last dim counts two FP4 elements a byte and then "
                        "overflows int64");
   }
-  if (shape.size() > static_cast<std::size_t>(kMaxDims)) {
-    fail(argument, path.string() + " has " + std::to_string(shape.size()) + " dims, at most " +
-                       std::to_string(kMaxDims) + " are supported");
-  }
   loaded.view = TensorView(loaded.array.data.data(), *dtype, Shape(shape));
   return loaded;
 }

@@ -479,7 +479,7 @@ TEST_F(BadInput, Spec4Violations) {
   expect_refused({}, "expert_token_num_per_rank: counts sum to 60",
                  {{"--counts", file("cs.npy", "<i4", {2, 3}, {10})}});
   expect_refused({}, "per_token_scales: dim 0 is 63", {{"--scales", file("s63.npy", "<f4", {63})}});
-  expect_refused({}, "s5d.npy has 5 dims, at most 4", {{"--scales", file("s5d.npy", "<f4", {64, 1, 1, 1, 1})}});
+  expect_refused({}, "per_token_scales: 5-D array, at most 4 dims", {{"--scales", file("s5d.npy", "<f4", {64, 1, 1, 1, 1})}});
   expect_refused({}, "per_token_scales: dtype int8", {{"--scales", file("si.npy", "|i1", {64})}});
   expect_refused({}, "per_token_scales: dtype uint8 must be float32 or float8_e8m0",
                  {{"--scales", file("se.npy", "|u1", {64})}});
