@@ -1,8 +1,9 @@
-// `bench`: verifies the operator against the naive reference, then times it
-// (plan + run, and run alone) against a plain copy of the same bytes with the
-// threads the plan uses (the physical limit) and a per-row gather by the
-// operator's own index (the naive baseline, with those threads and with one),
-// and measures the per-call overhead apart.
+// `bench`, the C++ benchmark of the core: verifies every case against the
+// naive reference before timing it, then prints medians against a plain copy
+// of the same bytes with the same threads (the physical limit) and a per-row
+// gather by the operator's own index (the naive peer); the same workload at
+// smaller A, across the last-level cache (where streaming stores pay); and the
+// static-shape costs (a quarter of A valid; expert_alignment 128 against 1).
 
 #include <omp.h>
 
@@ -12,6 +13,7 @@
 #include <cstring>
 #include <functional>
 #include <iostream>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -25,6 +27,7 @@ namespace moe_reroute::tools {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using Contenders = std::vector<std::function<void()>>;
 
 double seconds(const std::function<void()>& body) {
   const Clock::time_point start = Clock::now();
@@ -38,10 +41,64 @@ double median(std::vector<double> values) {
   return n % 2 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
 }
 
+// Median seconds of each contender over `repeat` rounds. Each round times every
+// contender once, so drift hits them alike; each timed call follows an untimed
+// one of the same contender, so each finds the caches as its own previous call
+// left them, not as a rival's did.
+std::vector<double> interleaved_medians(const Contenders& contenders, int repeat) {
+  std::vector<std::vector<double>> times(contenders.size());
+  for (int r = 0; r < repeat; ++r) {
+    for (std::size_t c = 0; c < contenders.size(); ++c) {
+      contenders[c]();
+      times[c].push_back(seconds(contenders[c]));
+    }
+  }
+  std::vector<double> medians;
+  for (const auto& t : times) medians.push_back(median(t));
+  return medians;
+}
+
 void progress(const std::string& line) { std::cerr << "moe-reroute bench: " << line << std::endl; }
 
-// The per-row gather baseline over every row stream the operator moves, the
-// rows split evenly over `num_threads` threads.
+// One forward call's buffers, its plan, and a copy of as many bytes as it
+// reads and writes, into pre-touched buffers.
+struct Case {
+  Case(const testing::WorkloadConfig& config, int threads)
+      : workload(config),
+        inputs(workload.inputs()),
+        outputs(workload.outputs()),
+        plan(plan_reroute(inputs, config.attributes, threads)),
+        copy_src(static_cast<std::size_t>(workload.bytes_moved() / 2)),
+        copy_dst(copy_src.size(), std::byte{0x5A}) {
+    testing::fill_random(copy_src.data(), copy_src.size(), config.seed + 7);
+  }
+  Case(const Case&) = delete;  // the views point into the workload
+  Case& operator=(const Case&) = delete;
+
+  // "" when a run matches the naive reference byte for byte (the run writes
+  // into poisoned outputs), else the first difference.
+  std::string verify() {
+    workload.poison_outputs();
+    run_reroute(plan, inputs, outputs);
+    const Attributes& a = workload.config().attributes;
+    return workload.compare(testing::reference_reroute(workload.reference_inputs(),
+                                                       a.expert_token_num_type, a.idx_type));
+  }
+
+  void call(int threads) { moe_re_routing(inputs, outputs, workload.config().attributes, threads); }
+  void copy() {
+    testing::parallel_copy(copy_dst.data(), copy_src.data(), copy_src.size(), plan.num_threads());
+  }
+
+  testing::Workload workload;
+  RerouteInputs inputs;
+  RerouteOutputs outputs;
+  Plan plan;
+  std::vector<std::byte> copy_src, copy_dst;
+};
+
+// The per-row gather peer over every row stream the operator moves, the rows
+// split evenly over `num_threads` threads.
 struct GatherBaseline {
   struct Stream {
     const std::byte* src;
@@ -65,6 +122,8 @@ struct GatherBaseline {
   }
 };
 
+// The gather peer of a verified k = 1 workload without spare rows: its index
+// is the one the operator wrote.
 GatherBaseline gather_baseline(const testing::Workload& w) {
   const testing::WorkloadConfig& c = w.config();
   const auto num_rows = static_cast<std::size_t>(c.num_tokens);
@@ -96,15 +155,14 @@ struct Overhead {
   double tiny_call_s;
 };
 
-Overhead measure_overhead(const testing::Workload& w, int threads) {
+Overhead measure_overhead(Case& main_case, int threads) {
   constexpr int kCalls = 2000;
-  const RerouteInputs inputs = w.inputs();
-  const Attributes attributes = w.config().attributes;
+  const Attributes attributes = main_case.workload.config().attributes;
   std::vector<double> plan_times, tiny_times;
   for (int i = 0; i < kCalls; ++i) {
-    plan_times.push_back(seconds([&] { plan_reroute(inputs, attributes, threads); }));
+    plan_times.push_back(seconds([&] { plan_reroute(main_case.inputs, attributes, threads); }));
   }
-  testing::WorkloadConfig tiny_config = w.config();
+  testing::WorkloadConfig tiny_config = main_case.workload.config();
   tiny_config.num_tokens = 1;
   testing::Workload tiny(tiny_config);
   const RerouteInputs tiny_inputs = tiny.inputs();
@@ -153,6 +211,20 @@ std::vector<std::pair<std::string, std::string>> config_fields(const testing::Wo
           {"repeat", std::to_string(repeat)}};
 }
 
+// Verifies `c`; on a difference prints it (and the JSON line) and returns false.
+bool verified(Case& c, const std::string& what, bool json, const std::string& config_json) {
+  const std::string difference = c.verify();
+  if (difference.empty()) return true;
+  std::printf("NOT verified (%s): %s\n", what.c_str(), difference.c_str());
+  if (json) {
+    std::printf("{\"verified\": false, \"case\": \"%s\", \"difference\": \"%s\", \"config\": %s}\n",
+                what.c_str(), difference.c_str(), config_json.c_str());
+  }
+  return false;
+}
+
+const char* yes_no(bool value) { return value ? "yes" : "no"; }
+
 }  // namespace
 
 int bench_command(const BenchOptions& o) {
@@ -160,10 +232,8 @@ int bench_command(const BenchOptions& o) {
   const int threads = o.threads > 0 ? o.threads : hardware_threads();
   const int repeat = std::max(1, o.repeat);
   progress("allocating and filling inputs and outputs");
-  testing::Workload w(config);
-  const RerouteInputs inputs = w.inputs();
-  const RerouteOutputs outputs = w.outputs();
-  const Plan plan = plan_reroute(inputs, config.attributes, threads);
+  auto main_case = std::make_unique<Case>(config, threads);
+  const Plan& plan = main_case->plan;
   const auto fields = config_fields(config, threads, plan.num_threads(), repeat);
   std::string config_text, config_json;
   for (const auto& [name, value] : fields) {
@@ -174,54 +244,32 @@ int bench_command(const BenchOptions& o) {
   std::printf("moe-reroute bench:%s\n", config_text.c_str());
 
   progress("verifying against the naive reference");
-  run_reroute(plan, inputs, outputs);
-  const std::string difference = w.compare(testing::reference_reroute(
-      w.reference_inputs(), config.attributes.expert_token_num_type, config.attributes.idx_type));
-  if (!difference.empty()) {
-    std::printf("NOT verified: %s\n", difference.c_str());
-    if (o.json) {
-      std::printf("{\"verified\": false, \"difference\": \"%s\", \"config\": %s}\n",
-                  difference.c_str(), config_json.c_str());
-    }
-    return 1;
-  }
+  if (!verified(*main_case, "workload", o.json, config_json)) return 1;
   std::printf("verified\n");
 
-  const std::int64_t bytes = w.bytes_moved();
-  const std::size_t copy_bytes = static_cast<std::size_t>(bytes / 2);
-  progress("preparing the copy and gather baselines");
-  std::vector<std::byte> copy_src(copy_bytes), copy_dst(copy_bytes, std::byte{0x5A});
-  testing::fill_random(copy_src.data(), copy_bytes, config.seed + 7);
-  GatherBaseline gather = gather_baseline(w);
-
-  // The baselines get the threads the plan chose, which it caps by bytes per thread.
+  const std::int64_t bytes = main_case->workload.bytes_moved();
+  progress("preparing the gather peer");
+  GatherBaseline gather = gather_baseline(main_case->workload);
+  // The copy and the gather get the threads the plan chose, which it caps by bytes per thread.
   const int used_threads = plan.num_threads();
   progress("timing " + std::to_string(repeat) + " rounds");
-  // Each round times every contender once, so drift hits them alike; each timed
-  // call follows an untimed one of the same contender, so each finds the caches
-  // as its own previous call left them, not as a rival's did.
-  const std::vector<std::function<void()>> contenders = {
-      [&] { moe_re_routing(inputs, outputs, config.attributes, threads); },
-      [&] { run_reroute(plan, inputs, outputs); },
-      [&] { testing::parallel_copy(copy_dst.data(), copy_src.data(), copy_bytes, used_threads); },
-      [&] { gather.run(used_threads); }, [&] { gather.run(1); }};
-  std::vector<std::vector<double>> times(contenders.size());
-  for (int r = 0; r < repeat; ++r) {
-    for (std::size_t c = 0; c < contenders.size(); ++c) {
-      contenders[c]();
-      times[c].push_back(seconds(contenders[c]));
-    }
-  }
+  const std::vector<double> t = interleaved_medians(
+      {[&] { main_case->call(threads); }, [&] { run_reroute(plan, main_case->inputs, main_case->outputs); },
+       [&] { main_case->copy(); }, [&] { gather.run(used_threads); }, [&] { gather.run(1); }},
+      repeat);
+  gather = {};
   progress("measuring the per-call overhead");
-  const Overhead overhead = measure_overhead(w, threads);
+  const Overhead overhead = measure_overhead(*main_case, threads);
 
-  const double op_s = median(times[0]), run_s = median(times[1]), copy_s = median(times[2]),
-               gather_s = median(times[3]), gather1_s = median(times[4]);
-  const auto gbps = [bytes](double s) { return static_cast<double>(bytes) / s / 1e9; };
-  std::printf("bytes per call: %lld (read + written)\n", static_cast<long long>(bytes));
+  const double op_s = t[0], run_s = t[1], copy_s = t[2], gather_s = t[3], gather1_s = t[4];
+  const auto gbps = [](std::int64_t n, double s) { return static_cast<double>(n) / s / 1e9; };
+  const double llc_mib = static_cast<double>(last_level_cache_bytes()) / (1 << 20);
+  std::printf("bytes per call: %lld (read + written); last-level cache %.0f MiB; "
+              "streaming stores: %s\n",
+              static_cast<long long>(bytes), llc_mib, yes_no(plan.streaming_stores()));
   std::printf("%-32s %12s %9s %10s\n", "", "median ms", "GB/s", "copy/this");
   const auto row = [&](const char* name, double s) {
-    std::printf("%-32s %12.4f %9.2f %10.3f\n", name, s * 1e3, gbps(s), copy_s / s);
+    std::printf("%-32s %12.4f %9.2f %10.3f\n", name, s * 1e3, gbps(bytes, s), copy_s / s);
   };
   row("moe_re_routing (plan + run)", op_s);
   row("run_reroute (plan made once)", run_s);
@@ -235,15 +283,88 @@ int bench_command(const BenchOptions& o) {
       "per-call overhead, hot caches: plan_reroute alone %.2f us; plan + run at A=1: %.2f us "
       "(medians of 2000 calls)\n",
       overhead.plan_s * 1e6, overhead.tiny_call_s * 1e6);
+
+  // The same workload at A/64, A/16 and A/4: the streaming stores start where
+  // the bytes outgrow the last-level cache, and the copy ratio shows whether
+  // they pay there.
+  std::printf("\nwhen streaming stores pay (the workload at smaller A, same threads):\n");
+  std::printf("%10s %10s %10s %12s %12s %10s\n", "A", "MB moved", "streaming", "op ms", "copy ms",
+              "copy/op");
+  std::string sweep_json;
+  for (const std::int64_t divisor : {64, 16, 4, 1}) {
+    const std::int64_t num_tokens = config.num_tokens / divisor;
+    if (num_tokens < 1 && divisor > 1) continue;
+    double size_op_s = op_s, size_copy_s = copy_s;
+    std::int64_t size_bytes = bytes;
+    bool streaming = plan.streaming_stores();
+    if (divisor > 1) {
+      testing::WorkloadConfig smaller = config;
+      smaller.num_tokens = num_tokens;
+      Case c(smaller, threads);
+      if (!verified(c, "A=" + std::to_string(num_tokens), o.json, config_json)) return 1;
+      const std::vector<double> m =
+          interleaved_medians({[&] { c.call(threads); }, [&] { c.copy(); }}, repeat);
+      size_op_s = m[0];
+      size_copy_s = m[1];
+      size_bytes = c.workload.bytes_moved();
+      streaming = c.plan.streaming_stores();
+    }
+    std::printf("%10lld %10.1f %10s %12.4f %12.4f %10.3f\n", static_cast<long long>(num_tokens),
+                static_cast<double>(size_bytes) / 1e6, yes_no(streaming), size_op_s * 1e3,
+                size_copy_s * 1e3, size_copy_s / size_op_s);
+    sweep_json += (sweep_json.empty() ? "" : ", ") + ("{\"A\": " + std::to_string(num_tokens)) +
+                  ", \"streaming\": " + (streaming ? "true" : "false") +
+                  ", \"ratio\": " + std::to_string(size_copy_s / size_op_s) + "}";
+  }
+
+  // Static shapes (docs/spec.md section 9) beside the full call: a quarter of
+  // A valid with allow_spare_rows, and expert_alignment 128 on the same counts.
+  main_case->copy_src = {};
+  main_case->copy_dst = {};
+  testing::WorkloadConfig quarter_config = config;
+  quarter_config.num_valid_tokens = config.num_tokens / 4;
+  quarter_config.attributes.allow_spare_rows = true;
+  testing::WorkloadConfig aligned_config = config;
+  aligned_config.attributes.expert_alignment = 128;
+  progress("verifying and timing the static-shape cases");
+  Case quarter(quarter_config, threads), aligned(aligned_config, threads);
+  if (!verified(quarter, "allow_spare_rows", o.json, config_json) ||
+      !verified(aligned, "expert_alignment=128", o.json, config_json)) {
+    return 1;
+  }
+  const std::vector<double> s = interleaved_medians(
+      {[&] { main_case->call(threads); }, [&] { quarter.call(threads); },
+       [&] { aligned.call(threads); }},
+      repeat);
+  const Plan& aligned_plan = aligned.plan;
+  const std::int64_t pad_bytes =
+      (aligned_plan.num_padded_rows() - aligned_plan.num_valid_rows()) * aligned_plan.bytes_per_row();
+  const double pad_share = static_cast<double>(pad_bytes) / static_cast<double>(bytes);
+  const double quarter_ratio = s[1] / s[0], aligned_ratio = s[2] / s[0];
+  std::printf("\nstatic shapes (each against the full call, k = 1, in the same rounds):\n");
+  std::printf("%-44s %12s %10s %s\n", "", "median ms", "x full", "target");
+  std::printf("%-44s %12.4f %10.3f\n", "full call, counts sum to A", s[0] * 1e3, 1.0);
+  std::printf("%-44s %12.4f %10.3f <= 0.45\n", "A/4 valid rows (allow_spare_rows)", s[1] * 1e3,
+              quarter_ratio);
+  std::printf("%-44s %12.4f %10.3f <= %.3f (1 + pad share)\n", "expert_alignment 128, same counts",
+              s[2] * 1e3, aligned_ratio, 1.0 + pad_share);
+  std::printf("zero pad rows written at k = 128: %lld rows, %lld bytes, %.1f%% of the full call's "
+              "bytes\n",
+              static_cast<long long>(aligned_plan.num_padded_rows() - aligned_plan.num_valid_rows()),
+              static_cast<long long>(pad_bytes), 100.0 * pad_share);
+
   if (o.json) {
     std::printf(
         "{\"verified\": true, \"bytes\": %lld, \"op_s\": %.9g, \"copy_s\": %.9g, "
         "\"ratio\": %.6g, \"run_s\": %.9g, \"gather_s\": %.9g, \"gather_ratio\": %.6g, "
         "\"speedup_vs_gather\": %.6g, \"gather_1thread_s\": %.9g, \"plan_s\": %.9g, "
-        "\"tiny_call_s\": %.9g, \"config\": %s}\n",
+        "\"tiny_call_s\": %.9g, \"streaming_stores\": %s, \"sweep\": [%s], "
+        "\"spare_rows_quarter_ratio\": %.6g, \"alignment_128_ratio\": %.6g, "
+        "\"pad_share\": %.6g, \"config\": %s}\n",
         static_cast<long long>(bytes), op_s, copy_s, copy_s / op_s, run_s, gather_s,
         copy_s / gather_s, gather_s / op_s, gather1_s, overhead.plan_s, overhead.tiny_call_s,
-        config_json.c_str());
+        plan.streaming_stores() ? "true" : "false", sweep_json.c_str(), quarter_ratio,
+        aligned_ratio, pad_share, config_json.c_str());
   }
   return 0;
 }
