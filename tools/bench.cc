@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <iostream>
@@ -225,12 +226,18 @@ bool verified(Case& c, const std::string& what, bool json, const std::string& co
 
 const char* yes_no(bool value) { return value ? "yes" : "no"; }
 
+double load_average() {
+  double load = 0.0;
+  return getloadavg(&load, 1) == 1 ? load : 0.0;
+}
+
 }  // namespace
 
 int bench_command(const BenchOptions& o) {
   const testing::WorkloadConfig config = workload_config(o.workload);
   const int threads = o.threads > 0 ? o.threads : hardware_threads();
   const int repeat = std::max(1, o.repeat);
+  const double start_load = load_average();
   progress("allocating and filling inputs and outputs");
   auto main_case = std::make_unique<Case>(config, threads);
   const Plan& plan = main_case->plan;
@@ -353,6 +360,13 @@ int bench_command(const BenchOptions& o) {
               static_cast<long long>(aligned_plan.num_padded_rows() - aligned_plan.num_valid_rows()),
               static_cast<long long>(pad_bytes), 100.0 * pad_share);
 
+  // Other processes on the cores stall every fork and join of a threaded call.
+  const double end_load = load_average();
+  std::printf("\nload average %.2f at the start, %.2f at the end, on %d hardware threads%s\n",
+              start_load, end_load, hardware_threads(),
+              start_load > 0.5 * hardware_threads()
+                  ? ": other processes shared the cores, the times are not trustworthy"
+                  : "");
   if (o.json) {
     std::printf(
         "{\"verified\": true, \"bytes\": %lld, \"op_s\": %.9g, \"copy_s\": %.9g, "
