@@ -61,43 +61,6 @@ std::vector<double> interleaved_medians(const Contenders& contenders, int repeat
 
 void progress(const std::string& line) { std::cerr << "moe-reroute bench: " << line << std::endl; }
 
-// One forward call's buffers, its plan, and a copy of as many bytes as it
-// reads and writes, into pre-touched buffers.
-struct Case {
-  Case(const testing::WorkloadConfig& config, int threads)
-      : workload(config),
-        inputs(workload.inputs()),
-        outputs(workload.outputs()),
-        plan(plan_reroute(inputs, config.attributes, threads)),
-        copy_src(static_cast<std::size_t>(workload.bytes_moved() / 2)),
-        copy_dst(copy_src.size(), std::byte{0x5A}) {
-    testing::fill_random(copy_src.data(), copy_src.size(), config.seed + 7);
-  }
-  Case(const Case&) = delete;  // the views point into the workload
-  Case& operator=(const Case&) = delete;
-
-  // "" when a run matches the naive reference byte for byte (the run writes
-  // into poisoned outputs), else the first difference.
-  std::string verify() {
-    workload.poison_outputs();
-    run_reroute(plan, inputs, outputs);
-    const Attributes& a = workload.config().attributes;
-    return workload.compare(testing::reference_reroute(workload.reference_inputs(),
-                                                       a.expert_token_num_type, a.idx_type));
-  }
-
-  void call(int threads) { moe_re_routing(inputs, outputs, workload.config().attributes, threads); }
-  void copy() {
-    testing::parallel_copy(copy_dst.data(), copy_src.data(), copy_src.size(), plan.num_threads());
-  }
-
-  testing::Workload workload;
-  RerouteInputs inputs;
-  RerouteOutputs outputs;
-  Plan plan;
-  std::vector<std::byte> copy_src, copy_dst;
-};
-
 // The per-row gather peer over every row stream the operator moves, the rows
 // split evenly over `num_threads` threads.
 struct GatherBaseline {
@@ -123,31 +86,81 @@ struct GatherBaseline {
   }
 };
 
-// The gather peer of a verified k = 1 workload without spare rows: its index
-// is the one the operator wrote.
-GatherBaseline gather_baseline(const testing::Workload& w) {
+// The gather peer of a verified workload: the valid rows, in the order the
+// operator wrote them (its own index), gathered into consecutive rows.
+GatherBaseline gather_baseline(const testing::Workload& w, const Plan& plan) {
   const testing::WorkloadConfig& c = w.config();
-  const auto num_rows = static_cast<std::size_t>(c.num_tokens);
+  std::vector<std::int32_t> token_idx(w.token_idx.size() / sizeof(std::int32_t));
+  std::memcpy(token_idx.data(), w.token_idx.data(), w.token_idx.size());
   GatherBaseline g;
-  g.index.resize(num_rows);
-  std::vector<std::int32_t> token_idx(num_rows);
-  std::memcpy(token_idx.data(), w.token_idx.data(), num_rows * sizeof(std::int32_t));
-  for (std::size_t i = 0; i < num_rows; ++i) {
-    if (c.attributes.idx_type == kIdxGather) {
-      g.index[i] = token_idx[i];
-    } else {
-      g.index[static_cast<std::size_t>(token_idx[i])] = static_cast<std::int32_t>(i);
+  if (c.attributes.idx_type == kIdxGather) {
+    g.index = token_idx;
+  } else {
+    g.index.assign(static_cast<std::size_t>(w.num_output_rows()), -1);
+    for (std::size_t i = 0; i < token_idx.size(); ++i) {
+      if (token_idx[i] >= 0) g.index[static_cast<std::size_t>(token_idx[i])] = static_cast<std::int32_t>(i);
     }
   }
+  std::erase(g.index, -1);  // pad, tail and spare rows
+  const std::size_t rows = g.index.size();
   const testing::ReferenceInputs ref = w.reference_inputs();
-  g.streams.push_back({ref.tokens, std::vector<std::byte>(w.tokens.size()), ref.token_row_bytes});
-  if (c.has_scales) {
-    g.streams.push_back({ref.scales, std::vector<std::byte>(w.scales.size()), ref.scale_row_bytes});
-  }
-  if (c.has_weight) g.streams.push_back({ref.weight, std::vector<std::byte>(w.weight.size()), 4});
-  for (auto& s : g.streams) std::fill(s.dst.begin(), s.dst.end(), std::byte{0x5A});
+  const auto stream = [&](const std::byte* src, std::int64_t row_bytes) {
+    g.streams.push_back({src, std::vector<std::byte>(rows * static_cast<std::size_t>(row_bytes),
+                                                     std::byte{0x5A}), row_bytes});
+  };
+  stream(ref.tokens, plan.token_row_bytes());
+  if (c.has_scales) stream(ref.scales, plan.scale_row_bytes());
+  if (c.has_weight) stream(ref.weight, plan.weight_row_bytes());
   return g;
 }
+
+// Bytes a call reads and writes: its valid input rows, every output row it
+// writes (pad rows included), the counts and expert_token_num.
+std::int64_t bytes_moved(const Plan& plan, const testing::WorkloadConfig& c) {
+  const std::int64_t input_row_bytes =
+      plan.token_row_bytes() + plan.scale_row_bytes() + plan.weight_row_bytes();
+  return plan.num_valid_rows() * input_row_bytes + plan.num_written_rows() * plan.bytes_per_row() +
+         (c.num_ranks + 1) * c.num_experts * dtype_bytes(c.count_dtype, 1);
+}
+
+// One forward call's buffers, its plan, and a copy of as many bytes as it
+// reads and writes, into pre-touched buffers.
+struct Case {
+  Case(const testing::WorkloadConfig& config, int threads)
+      : workload(config),
+        inputs(workload.inputs()),
+        outputs(workload.outputs()),
+        plan(plan_reroute(inputs, config.attributes, threads)),
+        bytes(bytes_moved(plan, config)),
+        copy_src(static_cast<std::size_t>(bytes / 2)),
+        copy_dst(copy_src.size(), std::byte{0x5A}) {
+    testing::fill_random(copy_src.data(), copy_src.size(), config.seed + 7);
+  }
+  Case(const Case&) = delete;  // the views point into the workload
+  Case& operator=(const Case&) = delete;
+
+  // "" when a run matches the naive reference byte for byte (the run writes
+  // into poisoned outputs), else the first difference.
+  std::string verify() {
+    workload.poison_outputs();
+    run_reroute(plan, inputs, outputs);
+    const Attributes& a = workload.config().attributes;
+    return workload.compare(testing::reference_reroute(workload.reference_inputs(),
+                                                       a.expert_token_num_type, a.idx_type));
+  }
+
+  void call(int threads) { moe_re_routing(inputs, outputs, workload.config().attributes, threads); }
+  void copy() {
+    testing::parallel_copy(copy_dst.data(), copy_src.data(), copy_src.size(), plan.num_threads());
+  }
+
+  testing::Workload workload;
+  RerouteInputs inputs;
+  RerouteOutputs outputs;
+  Plan plan;
+  std::int64_t bytes;  // read + written by one call
+  std::vector<std::byte> copy_src, copy_dst;
+};
 
 // Median seconds of one plan_reroute and of one plan + run at A = 1 (same H,
 // ranks, experts and optional inputs): the cost a call pays whatever its size.
@@ -165,6 +178,7 @@ Overhead measure_overhead(Case& main_case, int threads) {
   }
   testing::WorkloadConfig tiny_config = main_case.workload.config();
   tiny_config.num_tokens = 1;
+  tiny_config.num_valid_tokens = -1;
   testing::Workload tiny(tiny_config);
   const RerouteInputs tiny_inputs = tiny.inputs();
   const RerouteOutputs tiny_outputs = tiny.outputs();
@@ -207,6 +221,8 @@ std::vector<std::pair<std::string, std::string>> config_fields(const testing::Wo
           {"seed", std::to_string(c.seed)},
           {"idx_type", std::to_string(c.attributes.idx_type)},
           {"expert_token_num_type", std::to_string(c.attributes.expert_token_num_type)},
+          {"expert_alignment", std::to_string(c.attributes.expert_alignment)},
+          {"valid_tokens", std::to_string(c.num_valid_tokens)},
           {"threads", std::to_string(threads)},
           {"plan_threads", std::to_string(plan_threads)},
           {"repeat", std::to_string(repeat)}};
@@ -254,9 +270,9 @@ int bench_command(const BenchOptions& o) {
   if (!verified(*main_case, "workload", o.json, config_json)) return 1;
   std::printf("verified\n");
 
-  const std::int64_t bytes = main_case->workload.bytes_moved();
+  const std::int64_t bytes = main_case->bytes;
   progress("preparing the gather peer");
-  GatherBaseline gather = gather_baseline(main_case->workload);
+  GatherBaseline gather = gather_baseline(main_case->workload, plan);
   // The copy and the gather get the threads the plan chose, which it caps by bytes per thread.
   const int used_threads = plan.num_threads();
   progress("timing " + std::to_string(repeat) + " rounds");
@@ -307,13 +323,14 @@ int bench_command(const BenchOptions& o) {
     if (divisor > 1) {
       testing::WorkloadConfig smaller = config;
       smaller.num_tokens = num_tokens;
+      if (config.num_valid_tokens >= 0) smaller.num_valid_tokens = config.num_valid_tokens / divisor;
       Case c(smaller, threads);
       if (!verified(c, "A=" + std::to_string(num_tokens), o.json, config_json)) return 1;
       const std::vector<double> m =
           interleaved_medians({[&] { c.call(threads); }, [&] { c.copy(); }}, repeat);
       size_op_s = m[0];
       size_copy_s = m[1];
-      size_bytes = c.workload.bytes_moved();
+      size_bytes = c.bytes;
       streaming = c.plan.streaming_stores();
     }
     std::printf("%10lld %10.1f %10s %12.4f %12.4f %10.3f\n", static_cast<long long>(num_tokens),
@@ -324,29 +341,40 @@ int bench_command(const BenchOptions& o) {
                   ", \"ratio\": " + std::to_string(size_copy_s / size_op_s) + "}";
   }
 
-  // Static shapes (docs/spec.md section 9) beside the full call: a quarter of
-  // A valid with allow_spare_rows, and expert_alignment 128 on the same counts.
+  // Static shapes (docs/spec.md section 9) beside the full call (k = 1, the
+  // counts summing to A): a quarter of A valid with allow_spare_rows, and
+  // expert_alignment 128 on the full call's counts.
   main_case->copy_src = {};
   main_case->copy_dst = {};
-  testing::WorkloadConfig quarter_config = config;
+  testing::WorkloadConfig full_config = config;
+  full_config.attributes.expert_alignment = 1;
+  full_config.attributes.allow_spare_rows = false;
+  full_config.num_valid_tokens = -1;
+  testing::WorkloadConfig quarter_config = full_config;
   quarter_config.num_valid_tokens = config.num_tokens / 4;
   quarter_config.attributes.allow_spare_rows = true;
-  testing::WorkloadConfig aligned_config = config;
+  testing::WorkloadConfig aligned_config = full_config;
   aligned_config.attributes.expert_alignment = 128;
   progress("verifying and timing the static-shape cases");
+  std::unique_ptr<Case> own_full;
+  if (full_config.attributes != config.attributes || config.num_valid_tokens >= 0) {
+    own_full = std::make_unique<Case>(full_config, threads);
+    if (!verified(*own_full, "full call", o.json, config_json)) return 1;
+  }
+  Case& full = own_full ? *own_full : *main_case;
   Case quarter(quarter_config, threads), aligned(aligned_config, threads);
   if (!verified(quarter, "allow_spare_rows", o.json, config_json) ||
       !verified(aligned, "expert_alignment=128", o.json, config_json)) {
     return 1;
   }
   const std::vector<double> s = interleaved_medians(
-      {[&] { main_case->call(threads); }, [&] { quarter.call(threads); },
+      {[&] { full.call(threads); }, [&] { quarter.call(threads); },
        [&] { aligned.call(threads); }},
       repeat);
   const Plan& aligned_plan = aligned.plan;
   const std::int64_t pad_bytes =
       (aligned_plan.num_padded_rows() - aligned_plan.num_valid_rows()) * aligned_plan.bytes_per_row();
-  const double pad_share = static_cast<double>(pad_bytes) / static_cast<double>(bytes);
+  const double pad_share = static_cast<double>(pad_bytes) / static_cast<double>(full.bytes);
   const double quarter_ratio = s[1] / s[0], aligned_ratio = s[2] / s[0];
   std::printf("\nstatic shapes (each against the full call, k = 1, in the same rounds):\n");
   std::printf("%-44s %12s %10s %s\n", "", "median ms", "x full", "target");
