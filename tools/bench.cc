@@ -98,7 +98,9 @@ GatherBaseline gather_baseline(const testing::Workload& w, const Plan& plan) {
   } else {
     g.index.assign(static_cast<std::size_t>(w.num_output_rows()), -1);
     for (std::size_t i = 0; i < token_idx.size(); ++i) {
-      if (token_idx[i] >= 0) g.index[static_cast<std::size_t>(token_idx[i])] = static_cast<std::int32_t>(i);
+      if (token_idx[i] >= 0) {
+        g.index[static_cast<std::size_t>(token_idx[i])] = static_cast<std::int32_t>(i);
+      }
     }
   }
   std::erase(g.index, -1);  // pad, tail and spare rows
@@ -277,7 +279,8 @@ int bench_command(const BenchOptions& o) {
   const int used_threads = plan.num_threads();
   progress("timing " + std::to_string(repeat) + " rounds");
   const std::vector<double> t = interleaved_medians(
-      {[&] { main_case->call(threads); }, [&] { run_reroute(plan, main_case->inputs, main_case->outputs); },
+      {[&] { main_case->call(threads); },
+       [&] { run_reroute(plan, main_case->inputs, main_case->outputs); },
        [&] { main_case->copy(); }, [&] { gather.run(used_threads); }, [&] { gather.run(1); }},
       repeat);
   gather = {};
@@ -323,7 +326,9 @@ int bench_command(const BenchOptions& o) {
     if (divisor > 1) {
       testing::WorkloadConfig smaller = config;
       smaller.num_tokens = num_tokens;
-      if (config.num_valid_tokens >= 0) smaller.num_valid_tokens = config.num_valid_tokens / divisor;
+      if (config.num_valid_tokens >= 0) {
+        smaller.num_valid_tokens = config.num_valid_tokens / divisor;
+      }
       Case c(smaller, threads);
       if (!verified(c, "A=" + std::to_string(num_tokens), o.json, config_json)) return 1;
       const std::vector<double> m =
@@ -372,8 +377,8 @@ int bench_command(const BenchOptions& o) {
        [&] { aligned.call(threads); }},
       repeat);
   const Plan& aligned_plan = aligned.plan;
-  const std::int64_t pad_bytes =
-      (aligned_plan.num_padded_rows() - aligned_plan.num_valid_rows()) * aligned_plan.bytes_per_row();
+  const std::int64_t pad_rows = aligned_plan.num_padded_rows() - aligned_plan.num_valid_rows();
+  const std::int64_t pad_bytes = pad_rows * aligned_plan.bytes_per_row();
   const double pad_share = static_cast<double>(pad_bytes) / static_cast<double>(full.bytes);
   const double quarter_ratio = s[1] / s[0], aligned_ratio = s[2] / s[0];
   std::printf("\nstatic shapes (each against the full call, k = 1, in the same rounds):\n");
@@ -385,7 +390,7 @@ int bench_command(const BenchOptions& o) {
               s[2] * 1e3, aligned_ratio, 1.0 + pad_share);
   std::printf("zero pad rows written at k = 128: %lld rows, %lld bytes, %.1f%% of the full call's "
               "bytes\n",
-              static_cast<long long>(aligned_plan.num_padded_rows() - aligned_plan.num_valid_rows()),
+              static_cast<long long>(pad_rows),
               static_cast<long long>(pad_bytes), 100.0 * pad_share);
 
   // Other processes on the cores stall every fork and join of a threaded call.

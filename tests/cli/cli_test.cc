@@ -358,12 +358,17 @@ TEST(Cli, BenchVerifiesAndEndsWithJson) {
   EXPECT_THAT(result.out, HasSubstr("\nverified\n"));
   EXPECT_THAT(result.out, HasSubstr("plain copy"));
   EXPECT_THAT(result.out, HasSubstr("per-row gather"));
+  EXPECT_THAT(result.out, HasSubstr("when streaming stores pay"));
+  EXPECT_THAT(result.out, HasSubstr("A/4 valid rows (allow_spare_rows)"));
+  EXPECT_THAT(result.out, HasSubstr("expert_alignment 128, same counts"));
   EXPECT_THAT(result.err, HasSubstr("verifying"));
   const std::string trimmed = result.out.substr(0, result.out.size() - 1);
   const std::string last = trimmed.substr(trimmed.rfind('\n') + 1);
   EXPECT_THAT(last, StartsWith("{\"verified\": true, \"bytes\": "));
   for (const char* key :
-       {"\"op_s\": ", "\"copy_s\": ", "\"ratio\": ", "\"gather_s\": ", "\"config\": {"}) {
+       {"\"op_s\": ", "\"copy_s\": ", "\"ratio\": ", "\"gather_s\": ", "\"streaming_stores\": ",
+        "\"sweep\": [{\"A\": 7, ", "\"spare_rows_quarter_ratio\": ", "\"alignment_128_ratio\": ",
+        "\"pad_share\": ", "\"config\": {"}) {
     EXPECT_THAT(last, HasSubstr(key));
   }
   EXPECT_EQ(last.back(), '}');
