@@ -73,6 +73,30 @@ inline void copy_bytes(std::byte* dst, const std::byte* src, std::size_t bytes, 
   std::memcpy(dst, src, bytes);
 }
 
+/// Writes `bytes` zeros to `dst`; `stream` as for copy_bytes.
+inline void zero_bytes(std::byte* dst, std::size_t bytes, bool stream) {
+#if defined(__x86_64__)
+  if (stream && bytes >= 4096) {
+    const std::size_t head = (64 - (reinterpret_cast<std::uintptr_t>(dst) & 63)) & 63;
+    std::memset(dst, 0, head);
+    const std::size_t whole = (bytes - head) & ~std::size_t{63};
+    const __m128i zero = _mm_setzero_si128();
+    for (std::size_t i = head; i < head + whole; i += 64) {
+      auto* to = reinterpret_cast<__m128i*>(dst + i);
+      _mm_stream_si128(to, zero);
+      _mm_stream_si128(to + 1, zero);
+      _mm_stream_si128(to + 2, zero);
+      _mm_stream_si128(to + 3, zero);
+    }
+    std::memset(dst + head + whole, 0, bytes - head - whole);
+    return;
+  }
+#else
+  (void)stream;
+#endif
+  std::memset(dst, 0, bytes);
+}
+
 /// Orders this thread's streaming stores before anything after it.
 inline void stream_fence() {
 #if defined(__x86_64__)
