@@ -4,7 +4,7 @@
 
 MOE_REROUTE_APT_PACKAGES=(
   cmake ninja-build g++ clang libclang-rt-14-dev libomp-dev
-  libgtest-dev libbenchmark-dev libcli11-dev libopenmpi-dev openmpi-bin
+  libgtest-dev libcli11-dev libopenmpi-dev openmpi-bin
 )
 # The versions tested; torch's default x86-64 wheel is a CUDA build that also runs on the CPU.
 MOE_REROUTE_PIP_PACKAGES=(

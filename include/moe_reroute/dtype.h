@@ -37,7 +37,7 @@ enum DTypeRole : std::uint8_t {
 
 struct DTypeInfo {
   DType dtype;
-  std::string_view name;         // SPEC name, e.g. "float8_e4m3fn"
+  std::string_view name;         // docs/spec.md name, e.g. "float8_e4m3fn"
   int bits;                      // bits per element: 4, 8, 16, 32 or 64
   std::string_view npy_storage;  // .npy descr of the storage, e.g. "|u1" for FP8
   std::string_view torch_name;   // torch dtype name, "" where torch has none
@@ -50,7 +50,7 @@ MOE_REROUTE_API std::span<const DTypeInfo> dtype_table();
 /// The table row of `dtype`.
 MOE_REROUTE_API const DTypeInfo& dtype_info(DType dtype);
 
-/// Looks a dtype up by its SPEC name; nullopt for an unknown name.
+/// Looks a dtype up by its docs/spec.md name; nullopt for an unknown name.
 MOE_REROUTE_API std::optional<DType> dtype_from_name(std::string_view name);
 
 inline std::string_view dtype_name(DType dtype) { return dtype_info(dtype).name; }

@@ -1,4 +1,4 @@
-// The one dtype table: every SPEC name, its width, storage and roles.
+// The one dtype table: every docs/spec.md name, its width, storage and roles.
 
 #include <gtest/gtest.h>
 
@@ -17,7 +17,7 @@ struct Row {
   std::string_view npy_storage;
 };
 
-// SPEC section 2, written out independently of the library's table.
+// docs/spec.md section 2, written out independently of the library's table.
 const std::vector<Row> kSpecRows = {
     {"float16", DType::kFloat16, 16, "<f2"},
     {"bfloat16", DType::kBFloat16, 16, "<u2"},

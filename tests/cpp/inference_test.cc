@@ -1,4 +1,4 @@
-// Shape and dtype inference from views with null data: SPEC section 5's table
+// Shape and dtype inference from views with null data: docs/spec.md section 5's table
 // (the reference library's own cases), the empty optional outputs and the
 // index limit, which must be refused by shape alone.
 

@@ -15,7 +15,7 @@
 
 namespace moe_reroute::test {
 
-/// Every dtype of the table that tokens may hold (SPEC section 2).
+/// Every dtype of the table that tokens may hold (docs/spec.md section 2).
 std::vector<DType> token_dtypes();
 
 /// Every dtype of the table (the inverse moves rows of any dtype).

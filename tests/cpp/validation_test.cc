@@ -1,4 +1,4 @@
-// SPEC section 4: every rule the C++ core enforces, for the forward and the
+// docs/spec.md section 4: every rule the C++ core enforces, for the forward and the
 // inverse. Each refusal must carry the right code, name the argument and the
 // offending value, and leave every output holding its poison and every input
 // its bytes.

@@ -1,4 +1,4 @@
-// SPEC section 3's worked example, exact values: N = 2, E = 3,
+// docs/spec.md section 3's worked example, exact values: N = 2, E = 3,
 // counts [[1, 0, 2], [2, 1, 0]], A = 6.
 
 #include <gtest/gtest.h>

@@ -1,4 +1,4 @@
-// Runs SPEC section 3's worked example through the installed library and
+// Runs docs/spec.md section 3's worked example through the installed library and
 // checks every output; exits non-zero on any difference.
 
 #include <cstdint>
