@@ -1,10 +1,13 @@
 // The host side of a CUDA call: the core's validation of shapes, dtypes and
-// outputs, the alignment the kernels rely on, then two launches. Never
-// synchronises and never reads device memory.
+// outputs, the alignment the kernels rely on, then one launch (two past
+// kMaxFusedBlocks blocks). Never synchronises, allocates or reads device
+// memory; the device's limits are queried once per device.
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -23,6 +26,15 @@ using moe_reroute::detail::named_outputs;
 using moe_reroute::detail::NamedView;
 using moe_reroute::detail::row_bytes;
 
+static_assert(detail::kBitNegative == kStatusNegativeCount);
+static_assert(detail::kBitSum == kStatusCountSumMismatch);
+
+void check_cuda(cudaError_t error, const char* what) {
+  if (error != cudaSuccess) {
+    fail(ErrorCode::kBackend, std::string("cuda: ") + what + ": " + cudaGetErrorString(error));
+  }
+}
+
 void check_aligned(const void* data, std::int64_t alignment, const std::string& name) {
   if (reinterpret_cast<std::uintptr_t>(data) % static_cast<std::uintptr_t>(alignment) != 0) {
     fail(ErrorCode::kInvalidArgument, name + ": data must be " + std::to_string(alignment) +
@@ -35,6 +47,18 @@ void check_element_aligned(const TensorView& view, const char* name) {
   check_aligned(view.data, dtype_info(view.dtype()).bits / 8, name);
 }
 
+// The kernels index rows and blocks in int32.
+void check_int32_rows(std::int64_t rows, std::int64_t num_blocks) {
+  if (rows > detail::kInt32Max) {
+    fail(ErrorCode::kOutOfRange, "expert_alignment: " + std::to_string(rows) +
+                                     " output rows are past what the CUDA backend indexes (2^31 - 1)");
+  }
+  if (num_blocks > detail::kInt32Max) {
+    fail(ErrorCode::kOutOfRange, "expert_token_num_per_rank: " + std::to_string(num_blocks) +
+                                     " blocks are past what the CUDA backend indexes (2^31 - 1)");
+  }
+}
+
 // The status word and the workspace as views, so that the core's output
 // checks also reject them null or overlapping a tensor.
 struct ContextViews {
@@ -43,9 +67,7 @@ struct ContextViews {
 };
 
 ContextViews context_views(const DeviceContext& context, const TensorView& counts) {
-  const std::int64_t num_ranks = counts.shape()[0];
-  const std::int64_t num_experts = counts.shape()[1];
-  const std::size_t needed = required_workspace_bytes(num_ranks, num_experts);
+  const std::size_t needed = required_workspace_bytes(counts.shape()[0], counts.shape()[1]);
   if (context.workspace_bytes < needed) {
     fail(ErrorCode::kInvalidArgument,
          "workspace: counts " + counts.shape().to_string() + " need " + std::to_string(needed) +
@@ -63,52 +85,87 @@ std::vector<NamedView> with_context(std::vector<NamedView> outputs, const Contex
   return outputs;
 }
 
-void check_cuda(cudaError_t error, const char* what) {
-  if (error != cudaSuccess) {
-    fail(ErrorCode::kBackend, std::string("cuda: ") + what + ": " + cudaGetErrorString(error));
-  }
+// Each device's limits, queried the first time a call runs there.
+struct DeviceSlot {
+  std::once_flag once;
+  cudaError_t error = cudaSuccess;
+  detail::DeviceLimits limits;
+};
+
+const detail::DeviceLimits& device_limits(cudaStream_t stream) {
+  static int num_devices = -1;
+  static std::unique_ptr<DeviceSlot[]> slots;
+  static std::once_flag counted;
+  static cudaError_t count_error = cudaSuccess;
+  std::call_once(counted, [] {
+    count_error = cudaGetDeviceCount(&num_devices);
+    if (count_error == cudaSuccess) slots = std::make_unique<DeviceSlot[]>(static_cast<std::size_t>(num_devices));
+  });
+  check_cuda(count_error, "cudaGetDeviceCount");
+  int device = 0;
+  check_cuda(cudaStreamGetDevice(stream, &device), "cudaStreamGetDevice");
+  if (device < 0 || device >= num_devices) check_cuda(cudaErrorInvalidDevice, "cudaStreamGetDevice");
+  DeviceSlot& slot = slots[static_cast<std::size_t>(device)];
+  std::call_once(slot.once, [&slot, device] { slot.error = detail::query_limits(device, slot.limits); });
+  check_cuda(slot.error, "device limits");
+  return slot.limits;
 }
 
 const std::byte* bytes(const TensorView& view) { return static_cast<const std::byte*>(view.data); }
 std::byte* mutable_bytes(const TensorView& view) { return static_cast<std::byte*>(view.data); }
 
+// Small rows are moved by one thread each, so their words must fit in int32.
+detail::RowMove rows(const std::byte* src, const TensorView& dst, std::int64_t row_bytes) {
+  const int width = detail::word_width(src, dst.data, row_bytes);
+  if (row_bytes / width > detail::kInt32Max) {
+    fail(ErrorCode::kOutOfRange, "per_token_scales: rows of " + std::to_string(row_bytes) +
+                                     " bytes are past what the CUDA backend moves");
+  }
+  return {src, mutable_bytes(dst), row_bytes, width, static_cast<std::int32_t>(row_bytes / width)};
+}
+
 detail::RowMove rows(const std::optional<TensorView>& src, const std::optional<TensorView>& dst) {
   if (!src) return {};
-  return {bytes(*src), mutable_bytes(*dst), row_bytes(src->spec)};
+  return rows(bytes(*src), *dst, row_bytes(src->spec));
 }
 
-// Points the launches at the workspace and the status word and enqueues them.
-void enqueue(const DeviceContext& context, Direction direction, detail::OffsetsParams offsets,
-             detail::MoveParams move) {
-  auto* rank_begin = static_cast<std::int64_t*>(context.workspace);
-  offsets.rank_begin = rank_begin;
-  offsets.expert_begin = rank_begin + offsets.num_ranks * offsets.num_experts;
-  offsets.status = context.status;
-  move.tables = detail::block_tables(direction, offsets.rank_begin, offsets.expert_begin,
-                                     offsets.num_ranks, offsets.num_experts);
-  move.status = context.status;
-  int device = 0;
-  int num_sms = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device),
-             "cudaDeviceGetAttribute");
-  const detail::MoveLaunch launch =
-      detail::move_launch(offsets.num_tokens, move.tokens.row_bytes, num_sms);
-  move.segments_per_row = launch.segments_per_row;
-  move.num_tasks = launch.num_tasks;
+// The parts of a call both directions share: counts, rows and tiles.
+detail::KernelParams params_for(const TensorView& counts, const Attributes& attributes,
+                                std::int64_t rank_rows, bool forward,
+                                const DeviceContext& context) {
+  detail::KernelParams p;
+  p.layout.num_ranks = static_cast<std::int32_t>(counts.shape()[0]);
+  p.layout.num_experts = static_cast<std::int32_t>(counts.shape()[1]);
+  p.layout.num_tokens = rank_rows;
+  p.layout.expert_alignment = attributes.expert_alignment;
+  p.layout.allow_spare_rows = attributes.allow_spare_rows;
+  p.layout.forward = forward;
+  p.counts = counts.data;
+  p.status = context.status;
+  p.workspace = context.workspace;
+  return p;
+}
+
+void enqueue(detail::KernelParams& p, DType count_dtype, std::int64_t output_rows,
+             const DeviceContext& context) {
   const auto stream = static_cast<cudaStream_t>(context.stream);
-  check_cuda(detail::launch_offsets(offsets, stream), "offsets kernel launch");
-  check_cuda(detail::launch_move(move, launch, stream), "move kernel launch");
-}
-
-detail::OffsetsParams offsets_params(const TensorView& tokens, const TensorView& counts) {
-  detail::OffsetsParams offsets;
-  offsets.counts = counts.data;
-  offsets.count_dtype = counts.dtype();
-  offsets.num_ranks = counts.shape()[0];
-  offsets.num_experts = counts.shape()[1];
-  offsets.num_tokens = tokens.shape()[0];
-  return offsets;
+  const detail::DeviceLimits& limits = device_limits(stream);
+  const std::int64_t num_ranks = p.layout.num_ranks;
+  const std::int64_t num_experts = p.layout.num_experts;
+  p.tiles = detail::tile_shape(output_rows, p.tokens.row_bytes);
+  detail::LaunchPlan plan;
+  plan.fused = detail::use_fused(num_ranks, num_experts);
+  plan.int64_counts = count_dtype == DType::kInt64;
+  plan.smem_bytes = plan.fused ? detail::fused_smem_bytes(num_ranks, num_experts) : 0;
+  plan.programmatic = limits.programmatic_launch;
+  const int occupancy =
+      plan.fused ? limits.fused_occupancy[plan.int64_counts ? 1 : 0] : limits.move_occupancy;
+  // The most small tasks any counts can ask for: a row each, plus the index.
+  const std::int64_t small = p.index.present ? p.index.output_rows + p.index.input_rows : output_rows;
+  plan.grid = detail::grid_size(p.tiles, output_rows, small,
+                                detail::blocks_per_sm(occupancy, plan.smem_bytes, limits),
+                                limits.num_sms);
+  check_cuda(detail::launch(p, plan, stream), "kernel launch");
 }
 
 }  // namespace
@@ -116,52 +173,57 @@ detail::OffsetsParams offsets_params(const TensorView& tokens, const TensorView&
 void moe_re_routing(const RerouteInputs& inputs, const RerouteOutputs& outputs,
                     const Attributes& attributes, const DeviceContext& context) {
   const RerouteOutputSpecs specs = infer_reroute(inputs, attributes);
-  const ContextViews views = context_views(context, inputs.expert_token_num_per_rank);
+  const TensorView& counts = inputs.expert_token_num_per_rank;
+  const ContextViews views = context_views(context, counts);
   moe_reroute::detail::check_run_arguments(
       input_specs(inputs), named_inputs(inputs),
       {specs.permute_tokens, specs.permute_per_token_scales, specs.permute_token_idx,
        specs.expert_token_num, specs.permute_topk_weight, views.status.spec,
        views.workspace.spec},
       with_context(named_outputs(outputs), views));
-  check_element_aligned(inputs.expert_token_num_per_rank, "expert_token_num_per_rank");
+  check_element_aligned(counts, "expert_token_num_per_rank");
   check_element_aligned(outputs.permute_token_idx, "permute_token_idx");
   check_element_aligned(outputs.expert_token_num, "expert_token_num");
+  const std::int64_t rank_rows = inputs.tokens.shape()[0];
+  const std::int64_t output_rows = specs.permute_tokens.shape[0];
+  check_int32_rows(output_rows, counts.shape()[0] * counts.shape()[1]);
 
-  detail::OffsetsParams offsets = offsets_params(inputs.tokens, inputs.expert_token_num_per_rank);
-  offsets.expert_token_num = outputs.expert_token_num.data;
-  offsets.cumsum = attributes.expert_token_num_type == kExpertTokenNumCumsum;
-  detail::MoveParams move;
-  move.tokens = rows(inputs.tokens, outputs.permute_tokens);
-  // Without scales permute_per_token_scales is [A] float32 zeros.
-  move.scales = inputs.per_token_scales
-                    ? rows(inputs.per_token_scales, outputs.permute_per_token_scales)
-                    : detail::RowMove{nullptr, mutable_bytes(outputs.permute_per_token_scales),
-                                      sizeof(float)};
-  move.weight = rows(inputs.expert_topk_weight, outputs.permute_topk_weight);
-  move.index = static_cast<std::int32_t*>(outputs.permute_token_idx.data);
-  move.gather = attributes.idx_type == kIdxGather;
-  enqueue(context, Direction::kForward, offsets, move);
+  detail::KernelParams p = params_for(counts, attributes, rank_rows, true, context);
+  p.tokens = rows(bytes(inputs.tokens), outputs.permute_tokens, row_bytes(inputs.tokens.spec));
+  // Without scales permute_per_token_scales is [R] float32 zeros.
+  p.scales = inputs.per_token_scales
+                 ? rows(inputs.per_token_scales, outputs.permute_per_token_scales)
+                 : rows(nullptr, outputs.permute_per_token_scales, sizeof(float));
+  p.weight = rows(inputs.expert_topk_weight, outputs.permute_topk_weight);
+  p.index = {true, attributes.idx_type == kIdxGather, static_cast<std::int32_t>(output_rows),
+             static_cast<std::int32_t>(rank_rows)};
+  p.index_data = static_cast<std::int32_t*>(outputs.permute_token_idx.data);
+  p.expert_token_num = outputs.expert_token_num.data;
+  p.cumsum = attributes.expert_token_num_type == kExpertTokenNumCumsum;
+  enqueue(p, counts.dtype(), output_rows, context);
 }
 
 void moe_re_routing_inverse(const InverseInputs& inputs, const InverseOutputs& outputs,
                             const Attributes& attributes, const DeviceContext& context) {
   const InverseOutputSpecs specs = infer_inverse(inputs, attributes);
+  const TensorView& counts = inputs.expert_token_num_per_rank;
   std::vector<NamedView> outputs_named = named_outputs(inputs, outputs);
-  const ContextViews views = context_views(context, inputs.expert_token_num_per_rank);
+  const ContextViews views = context_views(context, counts);
   std::vector<TensorSpec> output_specs = {specs.restored_tokens};
   if (specs.restored_per_token_scales) output_specs.push_back(*specs.restored_per_token_scales);
   if (specs.restored_topk_weight) output_specs.push_back(*specs.restored_topk_weight);
   output_specs.insert(output_specs.end(), {views.status.spec, views.workspace.spec});
   moe_reroute::detail::check_run_arguments(input_specs(inputs), named_inputs(inputs),
                                            output_specs, with_context(outputs_named, views));
-  check_element_aligned(inputs.expert_token_num_per_rank, "expert_token_num_per_rank");
+  check_element_aligned(counts, "expert_token_num_per_rank");
+  const std::int64_t rank_rows = specs.restored_tokens.shape[0];
+  check_int32_rows(inputs.tokens.shape()[0], counts.shape()[0] * counts.shape()[1]);
 
-  detail::MoveParams move;
-  move.tokens = rows(inputs.tokens, outputs.restored_tokens);
-  move.scales = rows(inputs.per_token_scales, outputs.restored_per_token_scales);
-  move.weight = rows(inputs.expert_topk_weight, outputs.restored_topk_weight);
-  enqueue(context, Direction::kInverse,
-          offsets_params(inputs.tokens, inputs.expert_token_num_per_rank), move);
+  detail::KernelParams p = params_for(counts, attributes, rank_rows, false, context);
+  p.tokens = rows(bytes(inputs.tokens), outputs.restored_tokens, row_bytes(inputs.tokens.spec));
+  p.scales = rows(inputs.per_token_scales, outputs.restored_per_token_scales);
+  p.weight = rows(inputs.expert_topk_weight, outputs.restored_topk_weight);
+  enqueue(p, counts.dtype(), rank_rows, context);
 }
 
 }  // namespace moe_reroute::cuda

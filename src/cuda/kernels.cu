@@ -1,193 +1,371 @@
 // The kernels. Rows are bytes: no dtype dispatch but the counts' int width.
+// The index math is in layout.h; here are the barriers, the block scans and
+// the loads and stores.
 
-#include <cub/block/block_scan.cuh>
+#include <cstdint>
 
 #include "kernels.h"
-#include "moe_reroute/cuda.h"
 
 namespace moe_reroute::cuda::detail {
 namespace {
 
-struct SaturatingAdd {
-  std::int64_t cap;
-  __device__ std::int64_t operator()(std::int64_t a, std::int64_t b) const {
-    return saturating_add(a, b, cap);
-  }
-};
+constexpr unsigned kFullMask = 0xffffffffu;
+// 256 threads, 4 resident blocks: ptxas keeps every kernel at 64 registers.
+constexpr int kMinBlocks = 4;
 
-// Feeds each tile of a block-wide scan the running total of the tiles before.
-// cub calls it from warp 0 only, so thread 0 ends up holding the grand total.
-struct RunningPrefix {
-  SaturatingAdd add;
-  std::int64_t total = 0;
-  __device__ std::int64_t operator()(std::int64_t tile_total) {
-    const std::int64_t prefix = total;
-    total = add(total, tile_total);
-    return prefix;
-  }
-};
-
-// Clamped into [0, cap] so that a bad count can neither overflow the scan nor
-// make an offset negative; the status word records that it was bad.
-template <typename Count>
-__device__ std::int64_t clamped(Count count, std::int64_t cap) {
-  return count < 0 ? 0 : (static_cast<std::int64_t>(count) > cap ? cap : count);
-}
-
-// Scans the counts in rank order (row-major) and in expert order
-// (column-major) into the workspace, then writes the status word and, only
-// when it is 0, expert_token_num. cap = A + 1: a valid scan never reaches it.
-template <typename Count>
-__global__ void __launch_bounds__(kOffsetsThreads) offsets_kernel(OffsetsParams p) {
-  using Scan = cub::BlockScan<std::int64_t, kOffsetsThreads>;
-  __shared__ typename Scan::TempStorage scan_storage;
-  __shared__ std::int64_t total;
-  const auto* counts = static_cast<const Count*>(p.counts);
-  const std::int64_t num_blocks = p.num_ranks * p.num_experts;
-  const SaturatingAdd add{p.num_tokens + 1};
-  int negative = 0;
-
-  RunningPrefix rank_order{add};
-  for (std::int64_t tile = 0; tile < num_blocks; tile += kOffsetsThreads) {
-    const std::int64_t block = tile + threadIdx.x;
-    std::int64_t count = 0;
-    if (block < num_blocks) {
-      const Count raw = counts[block];
-      negative |= raw < 0;
-      count = clamped(raw, add.cap);
+// Exclusive scan of (a, b) over the CTA; `scratch` holds 2 x 32 int64.
+// Returns the totals; a and b become this thread's prefixes.
+__device__ void block_scan(std::int64_t& a, std::int64_t& b, std::int64_t& total_a,
+                           std::int64_t& total_b, std::int64_t* scratch) {
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const int warp = static_cast<int>(threadIdx.x) / kWarpSize;
+  const int num_warps = static_cast<int>(blockDim.x) / kWarpSize;
+  std::int64_t inclusive_a = a;
+  std::int64_t inclusive_b = b;
+  for (int offset = 1; offset < kWarpSize; offset *= 2) {
+    const std::int64_t up_a = __shfl_up_sync(kFullMask, inclusive_a, offset);
+    const std::int64_t up_b = __shfl_up_sync(kFullMask, inclusive_b, offset);
+    if (lane >= offset) {
+      inclusive_a += up_a;
+      inclusive_b += up_b;
     }
-    std::int64_t begin;
-    Scan(scan_storage).ExclusiveScan(count, begin, add, rank_order);
-    if (block < num_blocks) p.rank_begin[block] = begin;
-    __syncthreads();
   }
-
-  RunningPrefix expert_order{add};
-  for (std::int64_t tile = 0; tile < num_blocks; tile += kOffsetsThreads) {
-    const std::int64_t position = tile + threadIdx.x;  // e * N + r
-    const std::int64_t expert = position / p.num_ranks;
-    const std::int64_t block = (position - expert * p.num_ranks) * p.num_experts + expert;
-    const std::int64_t count = position < num_blocks ? clamped(counts[block], add.cap) : 0;
-    std::int64_t begin;
-    Scan(scan_storage).ExclusiveScan(count, begin, add, expert_order);
-    if (position < num_blocks) p.expert_begin[block] = begin;
-    __syncthreads();
+  if (lane == kWarpSize - 1) {
+    scratch[warp] = inclusive_a;
+    scratch[kWarpSize + warp] = inclusive_b;
   }
-
-  negative = __syncthreads_or(negative);
-  if (threadIdx.x == 0) total = rank_order.total;
   __syncthreads();
-  const std::int32_t status = (negative ? kStatusNegativeCount : 0) |
-                              (total != p.num_tokens ? kStatusCountSumMismatch : 0);
-  if (threadIdx.x == 0) *p.status = status;
-  if (status != 0 || p.expert_token_num == nullptr) return;
-  auto* expert_token_num = static_cast<Count*>(p.expert_token_num);
-  for (std::int64_t e = threadIdx.x; e < p.num_experts; e += kOffsetsThreads) {
-    // expert_begin of block (0, e) is where expert e starts.
-    const std::int64_t end = e + 1 < p.num_experts ? p.expert_begin[e + 1] : p.num_tokens;
-    expert_token_num[e] = static_cast<Count>(p.cumsum ? end : end - p.expert_begin[e]);
-  }
-}
-
-// The warp copies num_words words; each lane keeps kMoveUnroll loads in flight
-// and consecutive lanes touch consecutive words (coalesced).
-template <typename Word>
-__device__ void copy_words(std::byte* dst, const std::byte* src, std::int64_t num_words,
-                           int lane) {
-  auto* to = reinterpret_cast<Word*>(dst);
-  const auto* from = reinterpret_cast<const Word*>(src);
-  for (std::int64_t base = lane; base < num_words; base += kWarpSize * kMoveUnroll) {
-    Word words[kMoveUnroll];
-#pragma unroll
-    for (int u = 0; u < kMoveUnroll; ++u) {
-      const std::int64_t w = base + u * kWarpSize;
-      if (w < num_words) words[u] = from[w];
+  std::int64_t before_a = 0;
+  std::int64_t before_b = 0;
+  total_a = 0;
+  total_b = 0;
+  for (int w = 0; w < num_warps; ++w) {
+    if (w == warp) {
+      before_a = total_a;
+      before_b = total_b;
     }
+    total_a += scratch[w];
+    total_b += scratch[kWarpSize + w];
+  }
+  a = before_a + inclusive_a - a;
+  b = before_b + inclusive_b - b;
+  __syncthreads();  // scratch is reused by the next scan
+}
+
+// The phases of layout.h with a barrier between each; every thread of the
+// CTA returns the same Totals. expert_token_num is written through `etn`
+// (null: not by this CTA) only when the counts are good.
+template <typename Count>
+__device__ Totals build_tables(const KernelParams& p, const Tables& t, Count* etn,
+                               std::int64_t* scratch) {
+  const Layout& l = p.layout;
+  const int thread = static_cast<int>(threadIdx.x);
+  const int threads = static_cast<int>(blockDim.x);
+  const std::int32_t seen =
+      load_counts(l, static_cast<const Count*>(p.counts), t, thread, threads);
+  const int negative = __syncthreads_or(seen & kBitNegative);
+  const int too_large = __syncthreads_or(seen & kBitSum);
+  SliceSums prefix = slice_sums(l, t, thread, threads);
+  std::int64_t total = 0;
+  std::int64_t same_total = 0;
+  block_scan(prefix.rank, prefix.expert, total, same_total, scratch);
+  write_begins(l, t, thread, threads, prefix);
+  __syncthreads();
+  std::int64_t pad_prefix = slice_pads(l, t, thread, threads, total);
+  std::int64_t unused = 0;
+  std::int64_t pad_total = 0;
+  std::int64_t unused_total = 0;
+  block_scan(pad_prefix, unused, pad_total, unused_total, scratch);
+  const std::int32_t status =
+      status_bits(l, (negative ? kBitNegative : 0) | (too_large ? kBitSum : 0), total);
+  write_pads(l, t, thread, threads, total, pad_prefix, status == 0 ? etn : nullptr, p.cumsum);
+  __syncthreads();
+  add_pads(l, t, thread, threads);
+  __syncthreads();
+  return {narrow(total), narrow(l.forward ? total + pad_total : total), status};
+}
+
+// Output word w is 16 bytes at 4 * Q + bits / 8 of aligned input words w
+// and w + 1; words + 1 aligned words are read, each holding needed bytes.
+// The upper word comes from the next lane (lane 31: the next group's lane 0,
+// or one more load at the end).
+__device__ Word word_of(const uint4& v) { return {v.x, v.y, v.z, v.w}; }
+
+__device__ uint4 shuffle(const uint4& v, int from) {
+  return make_uint4(__shfl_sync(kFullMask, v.x, from), __shfl_sync(kFullMask, v.y, from),
+                    __shfl_sync(kFullMask, v.z, from), __shfl_sync(kFullMask, v.w, from));
+}
+
+template <int Q>
+__device__ void store_shifted(uint4* to, const uint4& lo, const uint4& hi, int bits) {
+  const Word word = shifted_word<Q>(word_of(lo), word_of(hi), bits);
+  __stcs(to, make_uint4(word.x, word.y, word.z, word.w));
+}
+
+// Output word w is 16 bytes at 4 * Q + bits / 8 of aligned input words w
+// and w + 1; words + 1 aligned words are read, each holding needed bytes.
+// The upper word comes from the next lane; lane 31 takes the next group's
+// lane 0 or loads it.
+template <int Q>
+__device__ void shifted_move(uint4* out, const uint4* in, std::int32_t words, int bits, int lane) {
+  constexpr int kWordsInFlight = kShiftedWordsInFlight;
+  constexpr std::int32_t kStep = kWarpSize * kWordsInFlight;
+  const int from = (lane + 1) % kWarpSize;
+  const bool edge = lane == kWarpSize - 1;
+  const std::int32_t whole = words - words % kStep;
+  for (std::int32_t first = 0; first < whole; first += kStep) {
+    uint4 v[kWordsInFlight];
 #pragma unroll
-    for (int u = 0; u < kMoveUnroll; ++u) {
-      const std::int64_t w = base + u * kWarpSize;
-      if (w < num_words) to[w] = words[u];
+    for (int u = 0; u < kWordsInFlight; ++u) v[u] = __ldcs(in + first + lane + u * kWarpSize);
+    // In bounds: first + kStep <= whole <= words.
+    const uint4 last = edge ? __ldcs(in + first + kStep) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int u = 0; u < kWordsInFlight; ++u) {
+      // Lane 0 hands lane 31 its word u + 1 (the last u: lane 31 has `last`).
+      uint4 hi = shuffle(lane != 0 ? v[u] : v[u + 1 < kWordsInFlight ? u + 1 : u], from);
+      if (edge && u + 1 == kWordsInFlight) hi = last;
+      store_shifted<Q>(out + first + lane + u * kWarpSize, v[u], hi, bits);
     }
   }
-}
-
-// The warp copies n bytes, 16 bytes an access when dst - src allows it.
-__device__ void copy_range(std::byte* dst, const std::byte* src, std::int64_t n, int lane) {
-  const RangeSplit split = split_range(reinterpret_cast<std::uintptr_t>(dst),
-                                       reinterpret_cast<std::uintptr_t>(src), n);
-  if (lane < split.head) dst[lane] = src[lane];
-  std::byte* body_dst = dst + split.head;
-  const std::byte* body_src = src + split.head;
-  if (split.width == 16) {
-    copy_words<uint4>(body_dst, body_src, split.words, lane);
-  } else if (split.width == 8) {
-    copy_words<uint2>(body_dst, body_src, split.words, lane);
-  } else if (split.width == 4) {
-    copy_words<std::uint32_t>(body_dst, body_src, split.words, lane);
-  } else if (split.width == 2) {
-    copy_words<std::uint16_t>(body_dst, body_src, split.words, lane);
-  } else {
-    copy_words<std::uint8_t>(body_dst, body_src, split.words, lane);
+  for (std::int32_t first = whole; first < words; first += kWarpSize) {
+    const std::int32_t w = first + lane;
+    const uint4 lo = w <= words ? __ldcs(in + w) : make_uint4(0, 0, 0, 0);
+    uint4 hi = shuffle(lo, from);
+    if (edge && w < words) hi = __ldcs(in + w + 1);
+    if (w < words) store_shifted<Q>(out + w, lo, hi, bits);
   }
-  const std::int64_t tail = split.head + split.words * split.width;
-  if (lane < split.tail) dst[tail + lane] = src[tail + lane];
 }
 
-__device__ void move_row(const RowMove& move, std::int64_t dst_row, std::int64_t src_row,
-                         int lane) {
-  if (move.dst == nullptr) return;
-  std::byte* to = move.dst + dst_row * move.row_bytes;
-  if (move.src == nullptr) {
-    for (std::int64_t b = lane; b < move.row_bytes; b += kWarpSize) to[b] = std::byte{0};
+// The warp moves n bytes to dst from src (null: zeros): single bytes up to
+// an aligned dst, 16-byte streaming stores, single bytes after.
+__device__ void warp_move(std::byte* dst, const std::byte* src, std::int32_t n, int lane) {
+  const ByteSplit split = split_bytes(reinterpret_cast<std::uintptr_t>(dst),
+                                      reinterpret_cast<std::uintptr_t>(src), n);
+  if (lane < split.head) dst[lane] = src == nullptr ? std::byte{0} : src[lane];
+  const std::int32_t after = split.head + split.words * 16;
+  if (lane < split.tail) dst[after + lane] = src == nullptr ? std::byte{0} : src[after + lane];
+  auto* out = reinterpret_cast<uint4*>(dst + split.head);
+  const std::int32_t words = split.words;
+  constexpr std::int32_t kStep = kWarpSize * kWordsInFlight;
+  if (src == nullptr) {
+    for (std::int32_t w = lane; w < words; w += kWarpSize) __stcs(out + w, make_uint4(0, 0, 0, 0));
     return;
   }
-  copy_range(to, move.src + src_row * move.row_bytes, move.row_bytes, lane);
+  if (split.shift == 0) {
+    // Whole steps of kWordsInFlight loads a lane, then one word at a time.
+    const uint4* in = reinterpret_cast<const uint4*>(src + split.head) + lane;
+    uint4* to = out + lane;
+    const std::int32_t whole = words - words % kStep;
+    for (std::int32_t w = 0; w < whole; w += kStep) {
+      uint4 v[kWordsInFlight];
+#pragma unroll
+      for (int u = 0; u < kWordsInFlight; ++u) v[u] = __ldcs(in + w + u * kWarpSize);
+#pragma unroll
+      for (int u = 0; u < kWordsInFlight; ++u) __stcs(to + w + u * kWarpSize, v[u]);
+    }
+    for (std::int32_t w = whole; w + lane < words; w += kWarpSize) __stcs(to + w, __ldcs(in + w));
+    return;
+  }
+  const auto* in = reinterpret_cast<const uint4*>(src + split.head - split.shift);
+  const int bits = (split.shift & 3) * 8;
+  switch (split.shift >> 2) {
+    case 0:
+      shifted_move<0>(out, in, words, bits, lane);
+      break;
+    case 1:
+      shifted_move<1>(out, in, words, bits, lane);
+      break;
+    case 2:
+      shifted_move<2>(out, in, words, bits, lane);
+      break;
+    default:
+      shifted_move<3>(out, in, words, bits, lane);
+  }
 }
 
-__global__ void __launch_bounds__(kMoveThreads) move_kernel(MoveParams p) {
-  if (*p.status != 0) return;
-  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
-  const std::int64_t num_threads = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  const std::int64_t first =
-      (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarpSize;
-  const std::int64_t token_row_bytes = p.tokens.row_bytes;
-  for (std::int64_t task = first; task < p.num_tasks; task += num_threads / kWarpSize) {
-    const std::int64_t row = task / p.segments_per_row;
-    const std::int64_t segment = task - row * p.segments_per_row;
-    const std::int64_t src_row = source_row(p.tables, row);
-    const std::int64_t begin = segment * kSegmentBytes;
-    const std::int64_t bytes =
-        token_row_bytes - begin < kSegmentBytes ? token_row_bytes - begin : kSegmentBytes;
-    copy_range(p.tokens.dst + row * token_row_bytes + begin,
-               p.tokens.src + src_row * token_row_bytes + begin, bytes, lane);
-    if (segment != 0) continue;
-    move_row(p.scales, row, src_row, lane);
-    move_row(p.weight, row, src_row, lane);
-    if (p.index != nullptr && lane == 0) {
-      if (p.gather) {
-        p.index[row] = static_cast<std::int32_t>(src_row);
-      } else {
-        p.index[src_row] = static_cast<std::int32_t>(row);
-      }
-    }
+// Not unrolled: the rows are short, and unrolled loops of five widths for
+// two tensors would keep their trip counts in registers across the tiles.
+template <typename W>
+__device__ void copy_row_words(std::byte* dst, const std::byte* src, std::int32_t words) {
+  auto* to = reinterpret_cast<W*>(dst);
+  const auto* from = reinterpret_cast<const W*>(src);
+#pragma unroll 1
+  for (std::int32_t w = 0; w < words; ++w) to[w] = src == nullptr ? W{} : from[w];
+}
+
+// One thread moves one small row (a scale or weight row) or zero-fills it.
+__device__ void move_small_row(const RowMove& m, std::int32_t dst_row, std::int32_t src_row) {
+  if (m.dst == nullptr) return;
+  std::byte* dst = m.dst + static_cast<std::int64_t>(dst_row) * m.row_bytes;
+  const std::byte* src = m.src == nullptr || src_row < 0
+                             ? nullptr
+                             : m.src + static_cast<std::int64_t>(src_row) * m.row_bytes;
+  switch (m.width) {
+    case 16:
+      copy_row_words<uint4>(dst, src, m.words);
+      break;
+    case 8:
+      copy_row_words<uint2>(dst, src, m.words);
+      break;
+    case 4:
+      copy_row_words<std::uint32_t>(dst, src, m.words);
+      break;
+    case 2:
+      copy_row_words<std::uint16_t>(dst, src, m.words);
+      break;
+    default:
+      copy_row_words<std::uint8_t>(dst, src, m.words);
   }
+}
+
+// Task i of small_tasks(): a small row (scales, weight) and an index entry.
+__device__ void move_small(const KernelParams& p, const Tables& t, const Totals& totals,
+                           std::int32_t i) {
+  const SmallTask task = small_task(t, p.layout.num_blocks(), p.index, totals, i);
+  if (task.dst_row >= 0) {
+    move_small_row(p.scales, task.dst_row, task.src_row);
+    move_small_row(p.weight, task.dst_row, task.src_row);
+  }
+  if (task.index_at >= 0) p.index_data[task.index_at] = task.index_value;
+}
+
+// This thread's share of the call, grid-strided by warp over what the tables
+// say exists: the token tiles (a warp each), then the small tasks (32 a warp,
+// none when there are no scales, weights or index to write).
+__device__ void move(const KernelParams& p, const Tables& t, const Totals& totals) {
+  const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
+  const std::int32_t num_tiles = totals.output_rows * p.tiles.tiles_per_row;
+  const bool any_small = p.scales.dst != nullptr || p.weight.dst != nullptr || p.index.present;
+  const std::int32_t num_small = any_small ? small_tasks(p.index, totals) : 0;
+  const std::int32_t num_tasks = num_tiles + (num_small + kWarpSize - 1) / kWarpSize;
+  const auto warps = static_cast<std::int32_t>(gridDim.x * blockDim.x / kWarpSize);
+  for (auto task = static_cast<std::int32_t>((blockIdx.x * blockDim.x + threadIdx.x) / kWarpSize);
+       task < num_tasks; task += warps) {
+    if (task >= num_tiles) {
+      const std::int32_t i = (task - num_tiles) * kWarpSize + lane;
+      if (i < num_small) move_small(p, t, totals, i);
+      continue;
+    }
+    const TileSpan span = tile_span(p.tiles, task);
+    const std::int32_t src_row = source_of(t, p.layout.num_blocks(), span.row).src_row;
+    const std::int64_t row_bytes = p.tiles.row_bytes;
+    std::byte* dst = p.tokens.dst + static_cast<std::int64_t>(span.row) * row_bytes + span.begin;
+    const std::byte* src =
+        src_row < 0 ? nullptr
+                    : p.tokens.src + static_cast<std::int64_t>(src_row) * row_bytes + span.begin;
+    warp_move(dst, src, span.bytes, lane);
+  }
+}
+
+template <typename Count>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) fused_kernel(KernelParams p) {
+  extern __shared__ std::int32_t table_words_smem[];
+  __shared__ std::int64_t scratch[2 * kWarpSize];
+  const Tables t = tables_at(table_words_smem, p.layout.num_blocks());
+  Count* etn = blockIdx.x == 0 ? static_cast<Count*>(p.expert_token_num) : nullptr;
+  const Totals totals = build_tables<Count>(p, t, etn, scratch);
+  if (totals.status != 0) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(p.status, totals.status);
+    return;
+  }
+  move(p, t, totals);
+}
+
+// The workspace of the two-kernel path: Totals (kTotalsBytes), then the tables.
+__device__ Totals* totals_at(void* workspace) { return static_cast<Totals*>(workspace); }
+__device__ Tables workspace_tables(const KernelParams& p) {
+  return tables_at(reinterpret_cast<std::int32_t*>(static_cast<std::byte*>(p.workspace) + kTotalsBytes),
+                   p.layout.num_blocks());
+}
+
+template <typename Count>
+__global__ void __launch_bounds__(kTablesThreads, 1) tables_kernel(KernelParams p) {
+#if __CUDA_ARCH__ >= 900
+  // The move kernel's CTAs may start; they wait for this grid's memory.
+  cudaTriggerProgrammaticLaunchCompletion();
+#endif
+  __shared__ std::int64_t scratch[2 * kWarpSize];
+  const Totals totals =
+      build_tables<Count>(p, workspace_tables(p), static_cast<Count*>(p.expert_token_num), scratch);
+  if (threadIdx.x == 0) {
+    *totals_at(p.workspace) = totals;
+    if (totals.status != 0) atomicOr(p.status, totals.status);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, kMinBlocks) move_kernel(KernelParams p) {
+#if __CUDA_ARCH__ >= 900
+  cudaGridDependencySynchronize();
+#endif
+  const Totals totals = *totals_at(p.workspace);
+  if (totals.status != 0) return;
+  move(p, workspace_tables(p), totals);
+}
+
+template <typename Kernel>
+cudaError_t occupancy(Kernel kernel, int threads, int& blocks) {
+  return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0);
 }
 
 }  // namespace
 
-cudaError_t launch_offsets(const OffsetsParams& params, cudaStream_t stream) {
-  if (params.count_dtype == DType::kInt32) {
-    offsets_kernel<std::int32_t><<<1, kOffsetsThreads, 0, stream>>>(params);
-  } else {
-    offsets_kernel<std::int64_t><<<1, kOffsetsThreads, 0, stream>>>(params);
+cudaError_t query_limits(int device, DeviceLimits& limits) {
+  int current = 0;
+  cudaError_t error = cudaGetDevice(&current);
+  if (error != cudaSuccess) return error;
+  if (device != current && (error = cudaSetDevice(device)) != cudaSuccess) return error;
+  cudaDeviceProp prop;
+  error = cudaGetDeviceProperties(&prop, device);
+  if (error == cudaSuccess) {
+    limits.num_sms = prop.multiProcessorCount;
+    limits.smem_per_sm = prop.sharedMemPerMultiprocessor;
+    limits.reserved_smem_per_block = prop.reservedSharedMemPerBlock;
+    limits.programmatic_launch = prop.major >= 9;
+    const auto dynamic = static_cast<int>(kMaxFusedSmemBytes);
+    error = cudaFuncSetAttribute(fused_kernel<std::int32_t>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic);
+    if (error == cudaSuccess) {
+      error = cudaFuncSetAttribute(fused_kernel<std::int64_t>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic);
+    }
   }
-  return cudaGetLastError();
+  if (error == cudaSuccess) error = occupancy(fused_kernel<std::int32_t>, kThreads, limits.fused_occupancy[0]);
+  if (error == cudaSuccess) error = occupancy(fused_kernel<std::int64_t>, kThreads, limits.fused_occupancy[1]);
+  if (error == cudaSuccess) error = occupancy(move_kernel, kThreads, limits.move_occupancy);
+  if (device != current) {
+    const cudaError_t restore = cudaSetDevice(current);
+    if (error == cudaSuccess) error = restore;
+  }
+  return error;
 }
 
-cudaError_t launch_move(const MoveParams& params, const MoveLaunch& launch, cudaStream_t stream) {
-  if (launch.grid == 0) return cudaSuccess;
-  move_kernel<<<static_cast<unsigned>(launch.grid), launch.block, 0, stream>>>(params);
-  return cudaGetLastError();
+cudaError_t launch(const KernelParams& params, const LaunchPlan& plan, cudaStream_t stream) {
+  const auto grid = static_cast<unsigned>(plan.grid);
+  if (plan.fused) {
+    if (plan.int64_counts) {
+      fused_kernel<std::int64_t><<<grid, kThreads, plan.smem_bytes, stream>>>(params);
+    } else {
+      fused_kernel<std::int32_t><<<grid, kThreads, plan.smem_bytes, stream>>>(params);
+    }
+    return cudaGetLastError();
+  }
+  if (plan.int64_counts) {
+    tables_kernel<std::int64_t><<<1, kTablesThreads, 0, stream>>>(params);
+  } else {
+    tables_kernel<std::int32_t><<<1, kTablesThreads, 0, stream>>>(params);
+  }
+  cudaError_t error = cudaGetLastError();
+  if (error != cudaSuccess) return error;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(kThreads);
+  config.stream = stream;
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = plan.programmatic ? 1 : 0;
+  return cudaLaunchKernelEx(&config, move_kernel, params);
 }
 
 }  // namespace moe_reroute::cuda::detail

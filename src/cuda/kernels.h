@@ -1,7 +1,9 @@
 #pragma once
 
-// The two launches of a call: the offsets (one block: validate and scan the
-// counts, write the status word and expert_token_num) and the row move.
+// The kernels of a call: one fused launch (each CTA builds the tables in its
+// shared memory, then moves its share of the rows) or, past kMaxFusedBlocks
+// blocks, a tables kernel writing the workspace and a move kernel launched
+// after it with programmatic dependent launch.
 
 #include <cuda_runtime_api.h>
 
@@ -9,48 +11,48 @@
 #include <cstdint>
 
 #include "launch.h"
-#include "moe_reroute/dtype.h"
 
 namespace moe_reroute::cuda::detail {
 
-struct OffsetsParams {
-  const void* counts = nullptr;  // [N, E] int32 or int64, device
-  DType count_dtype = DType::kInt32;
-  std::int64_t num_ranks = 0;
-  std::int64_t num_experts = 0;
-  std::int64_t num_tokens = 0;
-  std::int64_t* rank_begin = nullptr;    // workspace [N * E]
-  std::int64_t* expert_begin = nullptr;  // workspace [N * E]
-  void* expert_token_num = nullptr;      // [E] of count_dtype; null for the inverse
-  bool cumsum = false;
-  std::int32_t* status = nullptr;
-};
-
-/// One tensor's rows: dst row i gets src row source_row(i); a null src
+/// One tensor's rows: dst row i gets src row src_row(i), `words` accesses
+/// of `width` bytes (the small rows; the token rows go by tiles); a null src
 /// zero-fills, a null dst moves nothing.
 struct RowMove {
   const std::byte* src = nullptr;
   std::byte* dst = nullptr;
   std::int64_t row_bytes = 0;
+  int width = 1;
+  std::int32_t words = 0;
 };
 
-struct MoveParams {
-  BlockTables tables;
+struct KernelParams {
+  Layout layout;
+  const void* counts = nullptr;  // [N, E] int32 or int64
+  TileShape tiles;               // of the token rows
   RowMove tokens;
   RowMove scales;
   RowMove weight;
-  std::int32_t* index = nullptr;  // permute_token_idx; null for the inverse
-  bool gather = true;
-  std::int64_t segments_per_row = 0;
-  std::int64_t num_tasks = 0;
-  const std::int32_t* status = nullptr;
+  IndexMode index;
+  std::int32_t* index_data = nullptr;  // permute_token_idx
+  void* expert_token_num = nullptr;    // [E] of the counts dtype; null for the inverse
+  bool cumsum = false;
+  std::int32_t* status = nullptr;
+  void* workspace = nullptr;  // the two-kernel path: Totals, then the tables
 };
 
-/// Enqueues the offsets kernel on `stream`; returns the launch error.
-cudaError_t launch_offsets(const OffsetsParams& params, cudaStream_t stream);
+struct LaunchPlan {
+  bool fused = true;
+  bool int64_counts = false;
+  std::int64_t grid = 1;
+  std::size_t smem_bytes = 0;  // dynamic, of the fused kernel
+  bool programmatic = false;   // the move kernel overlaps the tables kernel's tail
+};
 
-/// Enqueues the move kernel with grid `launch` on `stream` (nothing when the
-/// grid is empty); it moves nothing unless the status word is 0.
-cudaError_t launch_move(const MoveParams& params, const MoveLaunch& launch, cudaStream_t stream);
+/// Occupancy and shared-memory limits of `device` (also raises the fused
+/// kernels' dynamic shared-memory limit there); restores the current device.
+cudaError_t query_limits(int device, DeviceLimits& limits);
+
+/// Enqueues the call on `stream`; returns the launch error.
+cudaError_t launch(const KernelParams& params, const LaunchPlan& plan, cudaStream_t stream);
 
 }  // namespace moe_reroute::cuda::detail

@@ -1,7 +1,6 @@
 #include "launch.h"
 
 #include <algorithm>
-#include <limits>
 #include <string>
 
 #include "moe_reroute/cuda.h"
@@ -9,8 +8,8 @@
 namespace moe_reroute::cuda {
 
 std::size_t required_workspace_bytes(std::int64_t num_ranks, std::int64_t num_experts) {
-  return 2 * static_cast<std::size_t>(num_ranks) * static_cast<std::size_t>(num_experts) *
-         sizeof(std::int64_t);
+  if (detail::use_fused(num_ranks, num_experts)) return 0;
+  return detail::kTotalsBytes + detail::fused_smem_bytes(num_ranks, num_experts);
 }
 
 std::string status_message(std::int32_t status) {
@@ -20,7 +19,9 @@ std::string status_message(std::int32_t status) {
   }
   if (status & kStatusCountSumMismatch) {
     message += message.empty() ? "expert_token_num_per_rank: " : "; ";
-    message += "the counts do not sum to the number of rows of tokens";
+    message +=
+        "the counts do not sum to the number of rows of tokens (or, with allow_spare_rows, "
+        "sum past it)";
   }
   if (status & ~(kStatusNegativeCount | kStatusCountSumMismatch)) {
     message += message.empty() ? "" : "; ";
@@ -31,28 +32,54 @@ std::string status_message(std::int32_t status) {
 
 namespace detail {
 
-BlockTables block_tables(Direction direction, const std::int64_t* rank_begin,
-                         const std::int64_t* expert_begin, std::int64_t num_ranks,
-                         std::int64_t num_experts) {
-  if (direction == Direction::kForward) {
-    return {expert_begin, rank_begin, num_experts, 1, num_ranks, num_experts};
-  }
-  return {rank_begin, expert_begin, num_ranks, num_experts, num_experts, 1};
+std::size_t fused_smem_bytes(std::int64_t num_ranks, std::int64_t num_experts) {
+  return static_cast<std::size_t>(table_words(num_ranks, num_experts)) * sizeof(std::int32_t);
 }
 
-MoveLaunch move_launch(std::int64_t num_rows, std::int64_t token_row_bytes, int num_sms) {
-  MoveLaunch launch;
-  launch.segments_per_row = std::max<std::int64_t>(1, (token_row_bytes + kSegmentBytes - 1) /
-                                                          kSegmentBytes);
-  // At most one task per row plus one per kSegmentBytes of tokens: fits in
-  // int64 because the plan checked that the token bytes do.
-  launch.num_tasks = num_rows * launch.segments_per_row;
-  const std::int64_t warps_per_block = kMoveThreads / kWarpSize;
-  const std::int64_t needed = (launch.num_tasks + warps_per_block - 1) / warps_per_block;
-  const std::int64_t useful = std::max(1, num_sms) * kMoveBlocksPerSm;
-  launch.grid = std::min({needed, useful,
-                          static_cast<std::int64_t>(std::numeric_limits<std::int32_t>::max())});
-  return launch;
+bool use_fused(std::int64_t num_ranks, std::int64_t num_experts) {
+  return num_ranks * num_experts <= kMaxFusedBlocks &&
+         fused_smem_bytes(num_ranks, num_experts) <= kMaxFusedSmemBytes;
+}
+
+int blocks_per_sm(int occupancy, std::size_t dynamic_smem, const DeviceLimits& limits) {
+  if (dynamic_smem == 0) return std::max(occupancy, 1);
+  const auto by_smem =
+      static_cast<int>(limits.smem_per_sm / (dynamic_smem + limits.reserved_smem_per_block));
+  return std::max(1, std::min(occupancy, by_smem));
+}
+
+TileShape tile_shape(std::int64_t output_rows, std::int64_t row_bytes) {
+  TileShape shape;
+  shape.row_bytes = row_bytes;
+  const std::int64_t max_tiles_per_row =
+      std::max<std::int64_t>(1, kInt32Max / std::max<std::int64_t>(output_rows, 1));
+  const std::int64_t tiles = (row_bytes + kTileBytes - 1) / kTileBytes;
+  if (tiles <= max_tiles_per_row) {
+    shape.tiles_per_row = static_cast<std::int32_t>(std::max<std::int64_t>(tiles, 1));
+    return shape;
+  }
+  // Only past 2^31 tiles of 2 KiB (4 TiB): the tiles stay far below 2^31 bytes.
+  const std::int64_t tile_bytes = (row_bytes + max_tiles_per_row - 1) / max_tiles_per_row;
+  shape.tile_bytes = (tile_bytes + 15) / 16 * 16;
+  shape.tiles_per_row = static_cast<std::int32_t>((row_bytes + shape.tile_bytes - 1) / shape.tile_bytes);
+  return shape;
+}
+
+std::int64_t grid_size(const TileShape& tiles, std::int64_t output_rows, std::int64_t small_tasks,
+                       int blocks_per_sm, int num_sms) {
+  constexpr std::int64_t kWarpsPerBlock = kThreads / kWarpSize;
+  const std::int64_t for_tiles = (output_rows * tiles.tiles_per_row + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  const std::int64_t for_small = (small_tasks + kThreads - 1) / kThreads;
+  const std::int64_t resident = static_cast<std::int64_t>(std::max(blocks_per_sm, 1)) * std::max(num_sms, 1);
+  return std::clamp<std::int64_t>(std::max(for_tiles, for_small), 1, resident);
+}
+
+int word_width(const void* src, const void* dst, std::int64_t row_bytes) {
+  const auto bits = reinterpret_cast<std::uintptr_t>(src) | reinterpret_cast<std::uintptr_t>(dst) |
+                    static_cast<std::uintptr_t>(row_bytes);
+  int width = 16;
+  while (width > 1 && (bits & static_cast<std::uintptr_t>(width - 1)) != 0) width /= 2;
+  return width;
 }
 
 }  // namespace detail

@@ -1,167 +1,111 @@
-// The CUDA backend's host-side logic, on the CPU: row addressing, the byte
-// split of a warp copy, launch shapes and the validation that runs before any
-// launch. None of it needs a GPU.
+// The CUDA backend's host side on the CPU: launch shapes, the workspace,
+// status messages and the validation that runs before any launch. None of it
+// needs a GPU (the index math is in layout_test.cc).
 
 #include <gtest/gtest.h>
 
 #include <cstddef>
 #include <cstdint>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "cuda/launch.h"
 #include "moe_reroute/cuda.h"
 #include "moe_reroute/reroute.h"
-#include "reference.h"
-#include "workload.h"
 
 namespace moe_reroute::cuda {
 namespace {
 
-using detail::BlockTables;
-using detail::kSegmentBytes;
-using testing::random_counts;
+using detail::kTileBytes;
 
-struct CountsCase {
-  std::int64_t num_ranks;
-  std::int64_t num_experts;
-  std::int64_t num_tokens;
-  double skew;
-  double zero_fraction;
-};
-
-const CountsCase kCountsCases[] = {
-    {1, 1, 0, 0.0, 0.0},    {1, 1, 7, 0.0, 0.0},     {1, 16, 300, 1.0, 0.5},
-    {16, 1, 300, 1.0, 0.5}, {2, 3, 6, 0.0, 0.0},     {16, 16, 4096, 0.0, 0.0},
-    {8, 32, 1000, 3.0, 0.0}, {4, 4, 16, 0.0, 0.9},   {64, 64, 200, 0.0, 0.97},
-    {3, 5, 0, 0.0, 0.0},    {32, 8, 2000, 2.0, 0.3},
-};
-
-// The source row of every output row, as the kernels find it, equals the
-// naive reference's gather index (forward) or scatter index (inverse: the
-// expert-order row that rank-order row j went to).
-TEST(CudaSourceRow, MatchesTheNaiveReference) {
-  std::uint64_t seed = 1;
-  for (const CountsCase& c : kCountsCases) {
-    const std::vector<std::int64_t> counts = random_counts(
-        c.num_ranks, c.num_experts, c.num_tokens, c.skew, c.zero_fraction, seed++);
-    std::vector<std::byte> rows(static_cast<std::size_t>(c.num_tokens) + 1);
-    const RerouteInputs inputs{TensorView(rows.data(), DType::kUInt8, {c.num_tokens, 1}),
-                               TensorView(counts.data(), DType::kInt64,
-                                          {c.num_ranks, c.num_experts}),
-                               std::nullopt, std::nullopt};
-    const Plan plan = plan_reroute(inputs, {}, 1);
-    testing::ReferenceInputs reference;
-    reference.num_ranks = c.num_ranks;
-    reference.num_experts = c.num_experts;
-    reference.counts = counts;
-    reference.tokens = rows.data();
-    reference.token_row_bytes = 1;
-    for (const Direction direction : {Direction::kForward, Direction::kInverse}) {
-      const BlockTables tables =
-          detail::block_tables(direction, plan.src_offset().data(), plan.dst_offset().data(),
-                               c.num_ranks, c.num_experts);
-      const std::vector<std::int32_t> expected =
-          testing::reference_reroute(reference, kExpertTokenNumCount,
-                                     direction == Direction::kForward ? kIdxGather : kIdxScatter)
-              .token_idx;
-      for (std::int64_t row = 0; row < c.num_tokens; ++row) {
-        ASSERT_EQ(detail::source_row(tables, row), expected[static_cast<std::size_t>(row)])
-            << "row " << row << " of N=" << c.num_ranks << " E=" << c.num_experts
-            << (direction == Direction::kForward ? " forward" : " inverse");
-      }
-    }
-  }
+// An H200: 132 SMs, 228 KiB of shared memory per SM, 1 KiB reserved per block.
+detail::DeviceLimits h200() {
+  detail::DeviceLimits limits;
+  limits.num_sms = 132;
+  limits.smem_per_sm = 233472;
+  limits.reserved_smem_per_block = 1024;
+  limits.fused_occupancy[0] = limits.fused_occupancy[1] = 4;
+  limits.move_occupancy = 4;
+  limits.programmatic_launch = true;
+  return limits;
 }
 
-// Every (dst, src) alignment and every short length, plus long ones: the
-// split covers the range once, its words are aligned on both sides, and the
-// width is the widest that dst - src allows.
-TEST(CudaSplitRange, CoversTheRangeWithTheWidestAlignedWords) {
-  std::vector<std::int64_t> lengths;
-  for (std::int64_t n = 0; n <= 80; ++n) lengths.push_back(n);
-  for (std::int64_t n : {255, 256, 257, 2047, 2048, 2049, 7168, 14336, 14337}) lengths.push_back(n);
-  for (std::uintptr_t dst = 4096; dst < 4096 + 32; ++dst) {
-    for (std::uintptr_t src = 8192; src < 8192 + 32; ++src) {
-      int widest = 1;
-      while (widest < 16 && (dst - src) % static_cast<std::uintptr_t>(2 * widest) == 0) {
-        widest *= 2;
-      }
-      for (const std::int64_t n : lengths) {
-        const detail::RangeSplit split = detail::split_range(dst, src, n);
-        ASSERT_EQ(split.width, widest) << dst << " " << src;
-        ASSERT_EQ(split.head + split.words * split.width + split.tail, n);
-        ASSERT_GE(split.head, 0);
-        ASSERT_GE(split.tail, 0);
-        ASSERT_LT(split.tail, split.width);
-        ASSERT_LT(split.head, split.width);
-        if (split.words > 0) {
-          ASSERT_EQ((dst + static_cast<std::uintptr_t>(split.head)) % split.width, 0u);
-          ASSERT_EQ((src + static_cast<std::uintptr_t>(split.head)) % split.width, 0u);
-        } else {
-          ASSERT_EQ(split.tail + split.head, n);
-        }
-      }
-    }
-  }
+TEST(CudaLaunch, TilesAreTwoKibibytesUnlessTheTileCountPassesInt32) {
+  const detail::TileShape decode = detail::tile_shape(256, 14336);  // bf16, H = 7168
+  EXPECT_EQ(decode.tile_bytes, kTileBytes);
+  EXPECT_EQ(decode.tiles_per_row, 7);
+  EXPECT_EQ(detail::tile_shape(16384, 7168).tiles_per_row, 4);  // int8: 3.5 tiles
+  EXPECT_EQ(detail::tile_shape(0, 1).tiles_per_row, 1);
+  // 2^30 rows of 64 KiB would be 2^35 tiles: the tiles grow instead.
+  const detail::TileShape huge = detail::tile_shape(std::int64_t{1} << 30, 65536);
+  EXPECT_EQ(huge.tile_bytes % 16, 0);
+  EXPECT_LE((std::int64_t{1} << 30) * huge.tiles_per_row, detail::kInt32Max);
+  EXPECT_GE(huge.tiles_per_row * huge.tile_bytes, 65536);
 }
 
-TEST(CudaSaturatingAdd, IsExactBelowTheCapAndAssociative) {
-  std::mt19937_64 rng(7);
-  const std::int64_t cap = (std::int64_t{1} << 57) + 1;
-  std::uniform_int_distribution<std::int64_t> value(0, cap);
-  for (int i = 0; i < 10000; ++i) {
-    const std::int64_t a = value(rng) >> (i % 60);
-    const std::int64_t b = value(rng) >> (i % 7 * 9);
-    const std::int64_t c = value(rng);
-    EXPECT_EQ(detail::saturating_add(a, b, cap), a + b < cap ? a + b : cap);
-    EXPECT_EQ(detail::saturating_add(detail::saturating_add(a, b, cap), c, cap),
-              detail::saturating_add(a, detail::saturating_add(b, c, cap), cap));
-  }
+TEST(CudaLaunch, GridCoversTheWorkUpToWhatIsResident) {
+  const detail::DeviceLimits limits = h200();
+  const detail::TileShape decode = detail::tile_shape(256, 14336);
+  // 1792 tiles, 8 warps a block: 224 blocks, under 4 x 132 resident.
+  EXPECT_EQ(detail::grid_size(decode, 256, 512, 4, limits.num_sms), 224);
+  const detail::TileShape prefill = detail::tile_shape(163840, 14336);
+  EXPECT_EQ(detail::grid_size(prefill, 163840, 327680, 4, limits.num_sms), 4 * 132);
+  // Nothing to move still launches one block: it writes expert_token_num.
+  EXPECT_EQ(detail::grid_size(detail::tile_shape(0, 16), 0, 0, 4, limits.num_sms), 1);
+  // Only small tasks (R rows of -1 gather index): a thread each.
+  EXPECT_EQ(detail::grid_size(detail::tile_shape(0, 16), 0, 2000, 4, limits.num_sms), 8);
 }
 
-TEST(CudaMoveLaunch, GivesEveryRowSegmentOneWarpTask) {
-  struct Case {
-    std::int64_t rows, row_bytes;
-    int num_sms;
-    detail::MoveLaunch expected;
-  };
-  const std::int64_t cap = 132 * detail::kMoveBlocksPerSm;
-  const Case cases[] = {
-      {256, 14336, 132, {7, 1792, 224}},            // decode, bf16 H = 7168
-      {256, 7168, 132, {4, 1024, 128}},             // decode, int8: 3.5 segments
-      {16384, 7168, 132, {4, 65536, cap}},          // prefill: grid-stride over the SMs
-      {131072, 14336, 132, {7, 917504, cap}},
-      {1, 1, 132, {1, 1, 1}},
-      {9, 2049, 1, {2, 18, 3}},
-      {0, 14336, 132, {7, 0, 0}},                   // A = 0: nothing to launch
-      {100000, 1, 0, {1, 100000, detail::kMoveBlocksPerSm}},  // unknown SM count: 1
-  };
-  for (const Case& c : cases) {
-    const detail::MoveLaunch launch = detail::move_launch(c.rows, c.row_bytes, c.num_sms);
-    EXPECT_EQ(launch, c.expected) << c.rows << " x " << c.row_bytes;
-    EXPECT_EQ(launch.block, detail::kMoveThreads);
-    EXPECT_GE(launch.segments_per_row * kSegmentBytes, c.row_bytes);
-    EXPECT_LT((launch.segments_per_row - 1) * kSegmentBytes, std::max<std::int64_t>(c.row_bytes, 1));
-  }
+TEST(CudaLaunch, SharedMemoryBoundsTheResidentBlocks) {
+  const detail::DeviceLimits limits = h200();
+  EXPECT_EQ(detail::blocks_per_sm(4, 0, limits), 4);
+  EXPECT_EQ(detail::blocks_per_sm(4, detail::fused_smem_bytes(16, 16), limits), 4);
+  EXPECT_EQ(detail::blocks_per_sm(4, detail::fused_smem_bytes(32, 32), limits), 4);
+  // N x E = 8192: 96.5 KiB of tables, two blocks per SM.
+  EXPECT_EQ(detail::blocks_per_sm(4, detail::fused_smem_bytes(64, 128), limits), 2);
+  EXPECT_EQ(detail::blocks_per_sm(0, 0, limits), 1);
 }
 
-TEST(CudaWorkspace, HoldsTwoInt64TablesOfTheBlocks) {
-  EXPECT_EQ(required_workspace_bytes(1, 1), 16u);
-  EXPECT_EQ(required_workspace_bytes(16, 16), 4096u);
-  EXPECT_EQ(required_workspace_bytes(300, 400), 1920000u);
+TEST(CudaLaunch, OneLaunchUpTo8192BlocksWithTheirTablesInSharedMemory) {
+  EXPECT_TRUE(detail::use_fused(16, 16));
+  EXPECT_TRUE(detail::use_fused(64, 128));
+  EXPECT_TRUE(detail::use_fused(8192, 1));
+  EXPECT_TRUE(detail::use_fused(16, 512));
+  EXPECT_FALSE(detail::use_fused(1, 8192));  // E > 640: the tables pass 99 KiB
+  EXPECT_FALSE(detail::use_fused(128, 65));
+  EXPECT_LE(detail::fused_smem_bytes(8192, 1), detail::kMaxFusedSmemBytes);
+}
+
+TEST(CudaLaunch, SmallRowsUseTheWidestAccessEveryRowAllows) {
+  alignas(16) static std::byte base[64];
+  EXPECT_EQ(detail::word_width(base, base + 32, 224), 16);
+  EXPECT_EQ(detail::word_width(base, base + 32, 4), 4);
+  EXPECT_EQ(detail::word_width(base + 4, base + 32, 16), 4);
+  EXPECT_EQ(detail::word_width(base, base + 32, 112), 16);
+  EXPECT_EQ(detail::word_width(base, base + 8, 24), 8);
+  EXPECT_EQ(detail::word_width(base + 1, base, 16), 1);
+  EXPECT_EQ(detail::word_width(base, base, 6), 2);
+}
+
+TEST(CudaWorkspace, IsNeededOnlyPastTheFusedLimit) {
+  EXPECT_EQ(required_workspace_bytes(1, 1), 0u);
+  EXPECT_EQ(required_workspace_bytes(16, 16), 0u);
+  EXPECT_EQ(required_workspace_bytes(8192, 1), 0u);
+  // The Totals, then three int32 tables of the blocks and one of the experts.
+  EXPECT_EQ(required_workspace_bytes(300, 400), detail::kTotalsBytes + (3 * 120000 + 400) * 4u);
+  EXPECT_EQ(required_workspace_bytes(1, 8192), detail::kTotalsBytes + (4 * 8192) * 4u);
 }
 
 TEST(CudaStatus, MessagesNameTheArgument) {
+  const std::string sum =
+      "the counts do not sum to the number of rows of tokens (or, with allow_spare_rows, sum "
+      "past it)";
   EXPECT_EQ(status_message(0), "");
   EXPECT_EQ(status_message(kStatusNegativeCount),
             "expert_token_num_per_rank: some count is negative");
-  EXPECT_EQ(status_message(kStatusCountSumMismatch),
-            "expert_token_num_per_rank: the counts do not sum to the number of rows of tokens");
+  EXPECT_EQ(status_message(kStatusCountSumMismatch), "expert_token_num_per_rank: " + sum);
   EXPECT_EQ(status_message(kStatusNegativeCount | kStatusCountSumMismatch),
-            "expert_token_num_per_rank: some count is negative; the counts do not sum to the "
-            "number of rows of tokens");
+            "expert_token_num_per_rank: some count is negative; " + sum);
   EXPECT_EQ(status_message(8), "status: unknown bits in 8");
 }
 
@@ -192,6 +136,17 @@ class CudaValidation : public ::testing::Test {
     context_.workspace_bytes = required_workspace_bytes(2, 3);
   }
 
+  // Counts [100, 100]: the call needs a workspace of 120432 bytes.
+  void use_many_blocks() {
+    many_counts_.assign(100 * 100, 0);
+    many_experts_.assign(100, 0);
+    inputs_.expert_token_num_per_rank = TensorView(many_counts_.data(), DType::kInt32, {100, 100});
+    outputs_.expert_token_num = TensorView(many_experts_.data(), DType::kInt32, {100});
+    workspace_.assign(required_workspace_bytes(100, 100) / 8, 0);
+    context_.workspace = workspace_.data();
+    context_.workspace_bytes = required_workspace_bytes(100, 100);
+  }
+
   void expect_error(const std::string& message) {
     try {
       moe_re_routing(inputs_, outputs_, {}, context_);
@@ -202,6 +157,8 @@ class CudaValidation : public ::testing::Test {
   }
 
   std::vector<std::byte> buffer_;
+  std::vector<std::int32_t> many_counts_, many_experts_;
+  std::vector<std::int64_t> workspace_;
   RerouteInputs inputs_;
   RerouteOutputs outputs_;
   DeviceContext context_;
@@ -217,9 +174,11 @@ TEST_F(CudaValidation, RejectsAWrongOutputSpec) {
   expect_error("permute_token_idx: must be int32[6], got int64[6]");
 }
 
+// Past the fused limit the tables go to the workspace.
 TEST_F(CudaValidation, RejectsASmallWorkspace) {
-  context_.workspace_bytes = 95;
-  expect_error("workspace: counts [2, 3] need 96 bytes, got 95");
+  use_many_blocks();
+  context_.workspace_bytes = 120431;
+  expect_error("workspace: counts [100, 100] need 120432 bytes, got 120431");
 }
 
 TEST_F(CudaValidation, RejectsANullStatusWord) {
@@ -236,6 +195,7 @@ TEST_F(CudaValidation, RejectsAMisalignedStatusWordOrWorkspace) {
 }
 
 TEST_F(CudaValidation, RejectsAWorkspaceOverlappingATensor) {
+  use_many_blocks();
   context_.workspace = inputs_.tokens.data;
   expect_error("workspace: overlaps input tokens");
 }
