@@ -1,16 +1,20 @@
 #pragma once
 
-/// The CUDA backend: the same operator on device memory, launched on the
-/// caller's stream with no host synchronisation, so it can be captured in a
-/// CUDA graph. Offsets are computed on the device from the device-resident
-/// counts; rules 4 and 5 of SPEC section 4 (counts non-negative and summing to
-/// A) are therefore not thrown but reported in a device status word, and when
-/// they fail no output but the status word is written.
+/// The CUDA backend: the same operator on device memory (static shapes of
+/// docs/spec.md section 9 included), launched on the caller's stream with no
+/// host synchronisation, allocation or device-memory read, so it can be
+/// captured in a CUDA graph: one kernel launch a call up to N x E = 8192
+/// blocks (two past it). Offsets are computed on the device from the
+/// device-resident counts; rules 4 and 5 of docs/spec.md section 4 (counts
+/// non-negative, summing to A, or to at most A with allow_spare_rows) are
+/// therefore not thrown but reported in a device status word, and when they
+/// fail no output but the status word is written.
 ///
 /// Shapes, dtypes, attributes, output specs, overlap and alignment are
 /// validated on the host exactly as for the CPU backend, and throw Error
-/// before anything is launched. This header needs no CUDA header: the stream
-/// is passed as a `void*` holding a cudaStream_t.
+/// before anything is launched; a CUDA runtime failure throws Error with
+/// ErrorCode::kBackend. This header needs no CUDA header: the stream is
+/// passed as a `void*` holding a cudaStream_t.
 
 #include <cstddef>
 #include <cstdint>
@@ -21,30 +25,36 @@
 
 namespace moe_reroute::cuda {
 
-/// Bits of the device status word. 0: the counts were consistent and every
-/// output was written.
+/// Bits of the device status word. The word is sticky: a call whose counts
+/// are bad ORs its bits in, a good call leaves it as it was, no call clears
+/// it; the caller zeroes it once and reads (and clears) it when it chooses.
 enum StatusBit : std::int32_t {
-  kStatusNegativeCount = 1,     // some count[r][e] < 0 (rule 4)
-  kStatusCountSumMismatch = 2,  // the counts do not sum to A, or overflow (rule 5)
+  kStatusNegativeCount = 1,  // some count[r][e] < 0 (rule 4)
+  // The counts do not sum to A (sum past A with allow_spare_rows), or a count
+  // or the sum passes A or overflows (rule 5).
+  kStatusCountSumMismatch = 2,
 };
 
 /// Where a call runs and what device memory it may use.
 struct DeviceContext {
-  void* stream = nullptr;           // a cudaStream_t; nullptr is the legacy default stream
-  std::int32_t* status = nullptr;   // device int32, 4-byte aligned, overwritten by every call
-  void* workspace = nullptr;        // device memory, 8-byte aligned
+  void* stream = nullptr;           // a cudaStream_t (its device runs the call); nullptr is the legacy default stream
+  std::int32_t* status = nullptr;   // device int32, 4-byte aligned, sticky (see StatusBit)
+  void* workspace = nullptr;        // device memory, 8-byte aligned; may be null when none is needed
   std::size_t workspace_bytes = 0;  // at least required_workspace_bytes(N, E)
 };
 
 /// Device workspace bytes a call with counts of shape [num_ranks, num_experts]
-/// needs (two int64 offset tables of N x E entries).
+/// needs: 0 when the call is one launch (N x E <= 8192 blocks whose int32
+/// tables fit 99 KiB of shared memory, which any E <= 640 does), else the
+/// tables the two launches share.
 MOE_REROUTE_CUDA_API std::size_t required_workspace_bytes(std::int64_t num_ranks,
                                                           std::int64_t num_experts);
 
 /// The forward operator on device views (same specs as the CPU
-/// moe_reroute::moe_re_routing). Counts, permute_token_idx and expert_token_num
-/// must be aligned to their element size; tokens, scales and weights may have
-/// any alignment. Throws Error on the host before launching anything.
+/// moe_reroute::moe_re_routing, from infer_reroute). Counts, permute_token_idx
+/// and expert_token_num must be aligned to their element size; tokens, scales
+/// and weights may have any alignment. Throws Error on the host before
+/// launching anything.
 MOE_REROUTE_CUDA_API void moe_re_routing(const RerouteInputs& inputs,
                                          const RerouteOutputs& outputs,
                                          const Attributes& attributes,

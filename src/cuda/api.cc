@@ -47,15 +47,12 @@ void check_element_aligned(const TensorView& view, const char* name) {
   check_aligned(view.data, dtype_info(view.dtype()).bits / 8, name);
 }
 
-// The kernels index rows and blocks in int32.
-void check_int32_rows(std::int64_t rows, std::int64_t num_blocks) {
-  if (rows > detail::kInt32Max) {
-    fail(ErrorCode::kOutOfRange, "expert_alignment: " + std::to_string(rows) +
-                                     " output rows are past what the CUDA backend indexes (2^31 - 1)");
-  }
-  if (num_blocks > detail::kInt32Max) {
-    fail(ErrorCode::kOutOfRange, "expert_token_num_per_rank: " + std::to_string(num_blocks) +
-                                     " blocks are past what the CUDA backend indexes (2^31 - 1)");
+// The kernels index blocks and rows in int32 (the core bounds the forward's
+// R rows by the int32 index; the inverse's R input rows are bounded here).
+void check_int32(std::int64_t value, const char* name, const char* what) {
+  if (value > detail::kInt32Max) {
+    fail(ErrorCode::kOutOfRange, std::string(name) + ": " + std::to_string(value) + " " + what +
+                                     " are past what the CUDA backend indexes (2^31 - 1)");
   }
 }
 
@@ -186,7 +183,7 @@ void moe_re_routing(const RerouteInputs& inputs, const RerouteOutputs& outputs,
   check_element_aligned(outputs.expert_token_num, "expert_token_num");
   const std::int64_t rank_rows = inputs.tokens.shape()[0];
   const std::int64_t output_rows = specs.permute_tokens.shape[0];
-  check_int32_rows(output_rows, counts.shape()[0] * counts.shape()[1]);
+  check_int32(counts.shape()[0] * counts.shape()[1], "expert_token_num_per_rank", "blocks");
 
   detail::KernelParams p = params_for(counts, attributes, rank_rows, true, context);
   p.tokens = rows(bytes(inputs.tokens), outputs.permute_tokens, row_bytes(inputs.tokens.spec));
@@ -217,7 +214,8 @@ void moe_re_routing_inverse(const InverseInputs& inputs, const InverseOutputs& o
                                            output_specs, with_context(outputs_named, views));
   check_element_aligned(counts, "expert_token_num_per_rank");
   const std::int64_t rank_rows = specs.restored_tokens.shape[0];
-  check_int32_rows(inputs.tokens.shape()[0], counts.shape()[0] * counts.shape()[1]);
+  check_int32(counts.shape()[0] * counts.shape()[1], "expert_token_num_per_rank", "blocks");
+  check_int32(inputs.tokens.shape()[0], "tokens", "rows");
 
   detail::KernelParams p = params_for(counts, attributes, rank_rows, false, context);
   p.tokens = rows(bytes(inputs.tokens), outputs.restored_tokens, row_bytes(inputs.tokens.spec));

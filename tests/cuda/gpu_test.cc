@@ -55,8 +55,9 @@ class DeviceBuffer {
     check(cudaMemcpy(data(), host.data(), bytes_, cudaMemcpyHostToDevice));
     check(cudaDeviceSynchronize());
   }
-  void poison() const {
-    check(cudaMemset(data(), std::to_integer<int>(kPoison), bytes_));
+  void poison() const { poison_with(std::to_integer<int>(kPoison)); }
+  void poison_with(int value) const {
+    check(cudaMemset(data(), value, bytes_));
     check(cudaDeviceSynchronize());
   }
   std::vector<std::byte> download() const {
@@ -107,6 +108,7 @@ struct DeviceWorkload {
     counts.upload(w.counts_storage);
     scales.upload(w.scales);
     weight.upload(w.weight);
+    status.poison_with(0);  // sticky: the kernels only OR bits in
   }
 
   std::size_t shift(bool misaligned, std::size_t alignment) {
@@ -284,6 +286,12 @@ WorkloadConfig random_config(std::mt19937_64& rng, DType token_dtype, std::uint6
   c.has_weight = pick(0, 1) != 0;
   c.attributes.expert_token_num_type = static_cast<int>(pick(0, 1));
   c.attributes.idx_type = static_cast<int>(pick(0, 1));
+  // The static-shape layout: aligned segments, counts covering part of A.
+  c.attributes.expert_alignment = pick(1, 1, 2, 16, 128);
+  if (pick(0, 1) != 0) {
+    c.attributes.allow_spare_rows = true;
+    c.num_valid_tokens = c.num_tokens * pick(0, 1, 3, 4) / 4;
+  }
   return c;
 }
 
@@ -336,7 +344,11 @@ TEST_F(CudaGpu, InverseMatchesTheCpu) {
   std::uint64_t seed = 500;
   for (const DType dtype : {DType::kBFloat16, DType::kInt8, DType::kFloat4E2M1, DType::kFloat32}) {
     for (int i = 0; i < 4; ++i) {
-      const WorkloadConfig config = random_config(rng, dtype, seed++);
+      // The forward's inputs as the inverse's: k = 1, every row valid (the
+      // static-shape inverse is StaticShapeRoundTripRestoresTheValidRows).
+      WorkloadConfig config = random_config(rng, dtype, seed++);
+      config.attributes = {};
+      config.num_valid_tokens = -1;
       SCOPED_TRACE("seed=" + std::to_string(config.seed));
       Workload w(config);
       const DeviceWorkload d(w, i % 2 == 1, config.seed);
@@ -446,9 +458,10 @@ TEST_F(CudaGpu, BadCountsSetTheStatusAndWriteNothing) {
     }
     EXPECT_EQ(d.guards(), "");
 
-    // The same buffers with good counts: the status word is reset and the call works.
+    // The status word is sticky: cleared by the caller, then good counts work.
     Workload good(config);
     d.counts.upload(good.counts_storage);
+    d.status.poison_with(0);
     moe_re_routing(d.inputs(good), d.outputs(good), config.attributes, d.context(stream_));
     check(cudaStreamSynchronize(stream_));
     EXPECT_EQ(d.read_status(), 0);
@@ -458,8 +471,10 @@ TEST_F(CudaGpu, BadCountsSetTheStatusAndWriteNothing) {
 }
 
 // One captured call replays with new counts (same shapes) written to the
-// device between replays: offsets really are computed on the device.
-TEST_F(CudaGpu, GraphReplayFollowsTheDeviceCounts) {
+// device between replays: offsets really are computed on the device. With
+// static shapes (k = 128, spare rows) the counts cover a different part of A
+// each time, as in a decode step under a CUDA graph.
+void replay_test(cudaStream_t stream, bool static_shapes) {
   WorkloadConfig config;
   config.num_tokens = 2000;
   config.hidden = 7168;
@@ -467,24 +482,32 @@ TEST_F(CudaGpu, GraphReplayFollowsTheDeviceCounts) {
   config.num_ranks = 8;
   config.num_experts = 16;
   config.seed = 1234;
+  if (static_shapes) {
+    config.attributes.expert_alignment = 128;
+    config.attributes.allow_spare_rows = true;
+    config.attributes.idx_type = kIdxScatter;
+    config.attributes.expert_token_num_type = kExpertTokenNumCumsum;
+  }
   Workload w(config);
   const DeviceWorkload d(w, false, config.seed);
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
-  check(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-  moe_re_routing(d.inputs(w), d.outputs(w), config.attributes, d.context(stream_));
-  check(cudaStreamEndCapture(stream_, &graph));
+  check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  moe_re_routing(d.inputs(w), d.outputs(w), config.attributes, d.context(stream));
+  check(cudaStreamEndCapture(stream, &graph));
   check(cudaGraphInstantiate(&exec, graph, 0));
   for (int replay = 0; replay < 4; ++replay) {
     SCOPED_TRACE("replay " + std::to_string(replay));
-    w.counts = testing::random_counts(config.num_ranks, config.num_experts, config.num_tokens,
-                                      replay, 0.3 * replay, 50 + replay);
-    if (replay == 3) w.counts.front() += 1;  // bad: the replay must write nothing
+    const std::int64_t valid = static_shapes ? config.num_tokens * (replay + 1) / 4 : config.num_tokens;
+    w.counts = testing::random_counts(config.num_ranks, config.num_experts, valid, replay,
+                                      0.3 * replay, 50 + replay);
+    // Bad: the replay must write nothing (with spare rows only a sum past A is).
+    if (replay == 3) w.counts.front() += 1;
     encode_counts(w);
     d.counts.upload(w.counts_storage);
     d.poison_outputs();
-    check(cudaGraphLaunch(exec, stream_));
-    check(cudaStreamSynchronize(stream_));
+    check(cudaGraphLaunch(exec, stream));
+    check(cudaStreamSynchronize(stream));
     if (replay == 3) {
       EXPECT_EQ(d.read_status(), kStatusCountSumMismatch);
       for (const DeviceBuffer* buffer : d.forward_outputs) {
@@ -493,12 +516,63 @@ TEST_F(CudaGpu, GraphReplayFollowsTheDeviceCounts) {
     } else {
       EXPECT_EQ(d.read_status(), 0);
       d.download_outputs(w);
-      EXPECT_EQ(differs_from_cpu(w, cpu_result(config, w.counts)), "");
+      EXPECT_EQ(w.compare(testing::reference_reroute(w.reference_inputs(),
+                                                     config.attributes.expert_token_num_type,
+                                                     config.attributes.idx_type)),
+                "");
     }
   }
   EXPECT_EQ(d.guards(), "");
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
+}
+
+TEST_F(CudaGpu, GraphReplayFollowsTheDeviceCounts) { replay_test(stream_, false); }
+
+TEST_F(CudaGpu, GraphReplayWithStaticShapesFollowsTheValidRows) { replay_test(stream_, true); }
+
+// Forward then inverse with k = 16 and spare rows: the R expert-ordered rows
+// go back to the first sum(c) rows of rank order, byte for byte.
+TEST_F(CudaGpu, StaticShapeRoundTripRestoresTheValidRows) {
+  WorkloadConfig config;
+  config.num_tokens = 777;
+  config.hidden = 385;
+  config.token_dtype = DType::kBFloat16;
+  config.num_ranks = 4;
+  config.num_experts = 8;
+  config.num_valid_tokens = 500;
+  config.attributes.expert_alignment = 16;
+  config.attributes.allow_spare_rows = true;
+  config.seed = 31;
+  Workload w(config);
+  const DeviceWorkload d(w, true, config.seed);
+  const RerouteOutputs out = d.outputs(w);
+  moe_re_routing(d.inputs(w), out, config.attributes, d.context(stream_));
+  const std::int64_t row_bytes = dtype_bytes(config.token_dtype, config.hidden);
+  DeviceBuffer restored(static_cast<std::size_t>(config.num_tokens * row_bytes), 3);
+  DeviceBuffer restored_scales(static_cast<std::size_t>(config.num_tokens * 4), 1);
+  DeviceBuffer restored_weight(static_cast<std::size_t>(config.num_tokens * 4), 2);
+  const InverseInputs inverse{out.permute_tokens, d.inputs(w).expert_token_num_per_rank,
+                              out.permute_per_token_scales, out.permute_topk_weight};
+  const InverseOutputs back{
+      TensorView(restored.data(), config.token_dtype, {config.num_tokens, config.hidden}),
+      TensorView(restored_scales.data(), DType::kFloat32, {config.num_tokens}),
+      TensorView(restored_weight.data(), DType::kFloat32, {config.num_tokens, 1})};
+  moe_re_routing_inverse(inverse, back, config.attributes, d.context(stream_));
+  check(cudaStreamSynchronize(stream_));
+  EXPECT_EQ(d.read_status(), 0);
+  const std::size_t valid = 500;
+  const std::pair<const DeviceBuffer*, const std::vector<std::byte>*> pairs[] = {
+      {&restored, &w.tokens}, {&restored_scales, &w.scales}, {&restored_weight, &w.weight}};
+  for (const auto& [device, host] : pairs) {
+    const std::vector<std::byte> got = device->download();
+    const std::size_t row = got.size() / static_cast<std::size_t>(config.num_tokens);
+    EXPECT_EQ(testing::first_difference("restored", {got.begin(), got.begin() + static_cast<std::ptrdiff_t>(valid * row)},
+                                        host->data(), valid * row),
+              "");
+    for (std::size_t i = valid * row; i < got.size(); ++i) ASSERT_EQ(got[i], kPoison) << "spare byte " << i;
+    EXPECT_EQ(device->guards("restored"), "");
+  }
 }
 
 // Where no GPU is usable the call throws instead of launching.
