@@ -1,6 +1,12 @@
-// The CUDA operator against cudaMemcpyAsync device-to-device of the same
-// bytes (the limit), plain launches and CUDA graph replay, timed with CUDA
-// events; prints medians. Usage: moe_reroute_gpu_bench [repetitions]
+// The CUDA operator at the benchmark shapes: verified byte for byte against
+// the naive reference (poisoned outputs, unspecified rows must stay poison),
+// then timed against cudaMemcpyAsync device-to-device of the same bytes, as
+// plain launches and as CUDA graph replays. Decode-sized shapes rotate over
+// enough buffer sets to pass the 60 MB L2 of an H200, so they time HBM.
+// Prints a table (medians over batches) and writes it as TSV for
+// bench/gpu_check.sh. Needs only the CUDA toolkit and the core library.
+//
+// Usage: moe_reroute_gpu_bench [--dry-run] [--reps N] [--tsv FILE] [--no-big]
 
 #include <cuda_runtime_api.h>
 
@@ -8,15 +14,21 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "moe_reroute/cuda.h"
+#include "reference.h"
 #include "workload.h"
 
 namespace {
 
 using namespace moe_reroute;
+
+constexpr std::size_t kRotationBytes = std::size_t{256} << 20;  // > 4x the H200's L2
+constexpr std::size_t kAlign = 256;
 
 void check(cudaError_t error, const char* what) {
   if (error != cudaSuccess) {
@@ -25,28 +37,162 @@ void check(cudaError_t error, const char* what) {
   }
 }
 
-void* device_alloc(std::size_t bytes) {
-  void* p = nullptr;
-  check(cudaMalloc(&p, std::max<std::size_t>(bytes, 1)), "cudaMalloc");
-  check(cudaMemset(p, 0x3C, std::max<std::size_t>(bytes, 1)), "cudaMemset");
-  return p;
+std::size_t aligned(std::size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+
+struct BenchShape;
+int planned_sets(const BenchShape& shape);
+
+struct BenchShape {
+  const char* name;
+  std::int64_t num_tokens;
+  DType dtype;
+  std::int64_t alignment = 1;
+  std::int64_t valid_quarters = 4;  // counts cover this many quarters of A
+};
+
+// Buffer sets a shape rotates over: inputs and outputs of all of them pass
+// kRotationBytes, so no call finds its bytes in L2.
+int planned_sets(const BenchShape& s) {
+  const std::int64_t rows = s.alignment == 1 ? s.num_tokens : s.num_tokens + 16 * (s.alignment - 1);
+  const auto set_bytes = static_cast<std::size_t>(2 * rows * (dtype_bytes(s.dtype, 7168) + 12));
+  return static_cast<int>(std::clamp<std::size_t>(kRotationBytes / set_bytes, 1, 64));
 }
 
-// Median microseconds of `enqueue` over `reps` runs, each between two events.
-double median_us(cudaStream_t stream, int reps, const std::function<void()>& enqueue) {
+testing::WorkloadConfig config_for(const BenchShape& s) {
+  testing::WorkloadConfig c;
+  c.num_tokens = s.num_tokens;
+  c.hidden = 7168;
+  c.token_dtype = s.dtype;
+  c.num_ranks = 16;
+  c.num_experts = 16;
+  c.seed = 42;
+  c.attributes.expert_alignment = s.alignment;
+  if (s.valid_quarters != 4) {
+    c.attributes.allow_spare_rows = true;
+    c.num_valid_tokens = s.num_tokens * s.valid_quarters / 4;
+  }
+  return c;
+}
+
+// One set of device buffers: the inputs in one allocation (tokens, scales,
+// weight, counts) and the outputs in another, so that the copy baseline is
+// one cudaMemcpyAsync of what the operator reads.
+struct DeviceSet {
+  std::byte* in = nullptr;
+  std::byte* out = nullptr;
+  std::size_t out_bytes = 0;
+  RerouteInputs inputs;
+  RerouteOutputs outputs;
+  cuda::DeviceContext context;
+  std::size_t copy_bytes = 0;
+};
+
+template <typename T>
+TensorView moved(const T& host, std::byte*& next) {
+  TensorView view = host;
+  view.data = next;
+  next += aligned(static_cast<std::size_t>(host.nbytes()));
+  return view;
+}
+
+std::size_t inputs_bytes(const testing::Workload& w) {
+  const RerouteInputs h = w.inputs();
+  return aligned(h.tokens.nbytes()) + aligned(h.per_token_scales->nbytes()) +
+         aligned(h.expert_topk_weight->nbytes()) + aligned(h.expert_token_num_per_rank.nbytes());
+}
+
+std::size_t outputs_bytes(testing::Workload& w) {
+  const RerouteOutputs h = w.outputs();
+  return aligned(h.permute_tokens.nbytes()) + aligned(h.permute_per_token_scales.nbytes()) +
+         aligned(h.permute_token_idx.nbytes()) + aligned(h.expert_token_num.nbytes()) +
+         aligned(h.permute_topk_weight.nbytes()) + 2 * kAlign;
+}
+
+DeviceSet make_set(testing::Workload& w, std::int64_t valid_rows) {
+  DeviceSet s;
+  const std::size_t in_bytes = inputs_bytes(w);
+  s.out_bytes = outputs_bytes(w);
+  check(cudaMalloc(&s.in, in_bytes), "cudaMalloc inputs");
+  check(cudaMalloc(&s.out, s.out_bytes), "cudaMalloc outputs");
+  const RerouteInputs h = w.inputs();
+  std::byte* next = s.in;
+  s.inputs.tokens = moved(h.tokens, next);
+  s.inputs.per_token_scales = moved(*h.per_token_scales, next);
+  s.inputs.expert_topk_weight = moved(*h.expert_topk_weight, next);
+  s.inputs.expert_token_num_per_rank = moved(h.expert_token_num_per_rank, next);
+  for (const auto& [device, host] : {std::pair{s.inputs.tokens, h.tokens},
+                                     {*s.inputs.per_token_scales, *h.per_token_scales},
+                                     {*s.inputs.expert_topk_weight, *h.expert_topk_weight},
+                                     {s.inputs.expert_token_num_per_rank, h.expert_token_num_per_rank}}) {
+    check(cudaMemcpy(device.data, host.data, static_cast<std::size_t>(host.nbytes()),
+                     cudaMemcpyHostToDevice),
+          "upload");
+  }
+  const RerouteOutputs o = w.outputs();
+  next = s.out;
+  s.outputs.permute_tokens = moved(o.permute_tokens, next);
+  s.outputs.permute_per_token_scales = moved(o.permute_per_token_scales, next);
+  s.outputs.permute_token_idx = moved(o.permute_token_idx, next);
+  s.outputs.expert_token_num = moved(o.expert_token_num, next);
+  s.outputs.permute_topk_weight = moved(o.permute_topk_weight, next);
+  auto* status = reinterpret_cast<std::int32_t*>(next);
+  check(cudaMemset(status, 0, sizeof(std::int32_t)), "cudaMemset status");
+  s.context = {nullptr, status, nullptr, 0};
+  // The bytes of the valid rows of tokens, scales and weight, read once.
+  const std::int64_t row_bytes = h.tokens.nbytes() / std::max<std::int64_t>(h.tokens.shape()[0], 1);
+  s.copy_bytes = static_cast<std::size_t>(valid_rows * (row_bytes + 8));
+  return s;
+}
+
+std::vector<std::byte> download(const TensorView& v) {
+  std::vector<std::byte> host(static_cast<std::size_t>(v.nbytes()));
+  check(cudaMemcpy(host.data(), v.data, host.size(), cudaMemcpyDeviceToHost), "download");
+  return host;
+}
+
+std::int32_t read_status(const DeviceSet& s) {
+  std::int32_t status = -1;
+  check(cudaMemcpy(&status, s.context.status, 4, cudaMemcpyDeviceToHost), "status");
+  return status;
+}
+
+// One call on poisoned outputs against the naive reference: "" or the first difference.
+std::string verify(testing::Workload& w, DeviceSet& s, const Attributes& attributes,
+                   cudaStream_t stream) {
+  // Everything but the status word, which follows the outputs.
+  check(cudaMemset(s.out, 0xA5, static_cast<std::size_t>(reinterpret_cast<std::byte*>(s.context.status) - s.out)),
+        "poison");
+  s.context.stream = stream;
+  cuda::moe_re_routing(s.inputs, s.outputs, attributes, s.context);
+  check(cudaStreamSynchronize(stream), "verify call");
+  const std::int32_t status = read_status(s);
+  if (status != 0) return "status " + std::to_string(status) + ": " + cuda::status_message(status);
+  w.permute_tokens = download(s.outputs.permute_tokens);
+  w.permute_scales = download(s.outputs.permute_per_token_scales);
+  w.permute_weight = download(s.outputs.permute_topk_weight);
+  w.token_idx = download(s.outputs.permute_token_idx);
+  w.expert_token_num = download(s.outputs.expert_token_num);
+  return w.compare(testing::reference_reroute(w.reference_inputs(),
+                                              attributes.expert_token_num_type,
+                                              attributes.idx_type));
+}
+
+// Median over batches of the mean microseconds per call of `enqueue(i)`,
+// called for i = 0 .. batch-1 between two events.
+double median_us(cudaStream_t stream, int reps, int batch, const std::function<void(int)>& enqueue) {
   cudaEvent_t start, stop;
   check(cudaEventCreate(&start), "cudaEventCreate");
   check(cudaEventCreate(&stop), "cudaEventCreate");
-  for (int i = 0; i < 3; ++i) enqueue();
+  for (int i = 0; i < batch; ++i) enqueue(i);
   std::vector<float> times;
-  for (int i = 0; i < reps; ++i) {
+  for (int r = 0; r < reps; ++r) {
     check(cudaEventRecord(start, stream), "cudaEventRecord");
-    enqueue();
+    for (int i = 0; i < batch; ++i) enqueue(i);
     check(cudaEventRecord(stop, stream), "cudaEventRecord");
     check(cudaEventSynchronize(stop), "cudaEventSynchronize");
     float ms = 0;
     check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-    times.push_back(ms * 1000.0f);
+    times.push_back(ms * 1000.0f / static_cast<float>(batch));
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
@@ -54,113 +200,146 @@ double median_us(cudaStream_t stream, int reps, const std::function<void()>& enq
   return times[times.size() / 2];
 }
 
-// `enqueue` captured once into a graph and replayed.
-double median_graph_us(cudaStream_t stream, int reps, const std::function<void()>& enqueue) {
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
-  enqueue();
-  check(cudaStreamEndCapture(stream, &graph), "end capture");
-  check(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-  const double us = median_us(stream, reps, [&] { check(cudaGraphLaunch(exec, stream), "launch"); });
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
+// Each of `calls` captured in its own graph, replayed in turn.
+double median_graph_us(cudaStream_t stream, int reps, const std::vector<std::function<void()>>& calls) {
+  std::vector<cudaGraphExec_t> execs;
+  for (const auto& call : calls) {
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
+    call();
+    check(cudaStreamEndCapture(stream, &graph), "end capture");
+    check(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+    cudaGraphDestroy(graph);
+    execs.push_back(exec);
+  }
+  const double us = median_us(stream, reps, static_cast<int>(execs.size()), [&](int i) {
+    check(cudaGraphLaunch(execs[static_cast<std::size_t>(i)], stream), "graph launch");
+  });
+  for (cudaGraphExec_t exec : execs) cudaGraphExecDestroy(exec);
   return us;
 }
 
-struct Case {
-  const char* name;
-  std::int64_t num_tokens;
-  DType dtype;
+struct Options {
+  bool dry_run = false;
+  bool big = true;
+  int reps = 30;
+  std::string tsv;
 };
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--dry-run") {
+      o.dry_run = true;
+    } else if (arg == "--no-big") {
+      o.big = false;
+    } else if (arg == "--reps" && i + 1 < argc) {
+      o.reps = std::max(3, std::atoi(argv[++i]));
+    } else if (arg == "--tsv" && i + 1 < argc) {
+      o.tsv = argv[++i];
+    } else {
+      std::fprintf(stderr, "usage: %s [--dry-run] [--reps N] [--tsv FILE] [--no-big]\n", argv[0]);
+      std::exit(2);
+    }
+  }
+  return o;
+}
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int reps = argc > 1 ? std::atoi(argv[1]) : 50;
+  const Options options = parse(argc, argv);
+  // bf16 H = 7168, N = E = 16, [A] float32 scales, [A, 1] weights. 163840
+  // rows of bf16 are 2.35 GB: one tensor past 2 GiB (64-bit byte offsets).
+  std::vector<BenchShape> shapes = {
+      {"decode", 256, DType::kBFloat16},           {"decode", 256, DType::kInt8},
+      {"decode", 256, DType::kBFloat16, 1, 1},     {"decode", 256, DType::kBFloat16, 128, 1},
+      {"decode", 256, DType::kBFloat16, 128},      {"prefill", 16384, DType::kBFloat16},
+      {"prefill", 16384, DType::kInt8},            {"prefill", 16384, DType::kBFloat16, 128},
+  };
+  if (options.big) shapes.push_back({"prefill", 163840, DType::kBFloat16});
+  std::printf("%-8s %7s %-9s %4s %6s %5s %10s %10s %10s %9s %8s %8s %s\n", "shape", "A", "dtype",
+              "k", "valid", "sets", "op_us", "graph_us", "copy_us", "op_GB/s", "vs_copy",
+              "graph_vs", "verified");
+  if (options.dry_run) {
+    for (const BenchShape& s : shapes) {
+      const double mb = static_cast<double>(s.num_tokens * s.valid_quarters / 4) *
+                        static_cast<double>(dtype_bytes(s.dtype, 7168) + 8) / 1e6;
+      std::printf("%-8s %7lld %-9s %4lld %5lld%% %5d  (dry run: %.1f MB read a call, not launched)\n",
+                  s.name, static_cast<long long>(s.num_tokens),
+                  std::string(dtype_name(s.dtype)).c_str(), static_cast<long long>(s.alignment),
+                  static_cast<long long>(25 * s.valid_quarters), planned_sets(s), mb);
+    }
+    return 0;
+  }
   int device_count = 0;
   if (cudaGetDeviceCount(&device_count) != cudaSuccess || device_count == 0) {
-    std::printf("no CUDA device: skipped\n");
-    return 0;
+    std::printf("no CUDA device: nothing timed\n");
+    return 1;
   }
   cudaDeviceProp prop;
   check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
-  std::printf("device: %s, %d SMs; H = 7168, N = 16, E = 16, [A] float32 scales, [A, 1] "
-              "weights; median of %d, microseconds\n",
-              prop.name, prop.multiProcessorCount, reps);
-  std::printf("%-8s %7s %-9s %-6s %10s %10s %9s %9s\n", "shape", "A", "dtype", "mode", "op_us",
-              "memcpy_us", "op_GB/s", "vs_copy");
+  std::fprintf(stderr, "device: %s, %d SMs, L2 %d MB; median of %d batches, microseconds a call\n",
+               prop.name, prop.multiProcessorCount, prop.l2CacheSize >> 20, options.reps);
+  FILE* tsv = options.tsv.empty() ? nullptr : std::fopen(options.tsv.c_str(), "w");
+  if (tsv) std::fprintf(tsv, "shape\tA\tdtype\tk\tvalid\top_us\tgraph_us\tcopy_us\tverified\n");
   cudaStream_t stream;
   check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
-  const Case cases[] = {{"decode", 256, DType::kInt8},     {"decode", 256, DType::kBFloat16},
-                          {"prefill", 16384, DType::kInt8},  {"prefill", 16384, DType::kBFloat16},
-                          {"prefill", 131072, DType::kInt8}, {"prefill", 131072, DType::kBFloat16}};
-  constexpr std::int64_t kHidden = 7168, kRanks = 16, kExperts = 16;
-  for (const Case& shape : cases) {
-    const std::int64_t a = shape.num_tokens;
-    const std::size_t token_bytes = static_cast<std::size_t>(dtype_bytes(shape.dtype, a * kHidden));
-    const std::size_t row_bytes = static_cast<std::size_t>(a) * 4;
-    const std::vector<std::int64_t> counts64 =
-        testing::random_counts(kRanks, kExperts, a, 0.0, 0.0, 42);
-    const std::vector<std::int32_t> counts(counts64.begin(), counts64.end());
-    void* tokens = device_alloc(token_bytes);
-    void* scales = device_alloc(row_bytes);
-    void* weight = device_alloc(row_bytes);
-    void* count_data = device_alloc(counts.size() * 4);
-    check(cudaMemcpy(count_data, counts.data(), counts.size() * 4, cudaMemcpyHostToDevice), "copy");
-    void* permute_tokens = device_alloc(token_bytes);
-    void* permute_scales = device_alloc(row_bytes);
-    void* permute_weight = device_alloc(row_bytes);
-    void* index = device_alloc(row_bytes);
-    void* expert_token_num = device_alloc(kExperts * 4);
-    auto* status = static_cast<std::int32_t*>(device_alloc(4));
-    const std::size_t workspace_bytes = cuda::required_workspace_bytes(kRanks, kExperts);
-    void* workspace = device_alloc(workspace_bytes);
-    // The copy moves what the operator reads (tokens, scales, weights) once.
-    const std::size_t copy_bytes = token_bytes + 2 * row_bytes;
-    void* copy_src = device_alloc(copy_bytes);
-    void* copy_dst = device_alloc(copy_bytes);
-
+  int failures = 0;
+  for (const BenchShape& shape : shapes) {
+    const testing::WorkloadConfig config = config_for(shape);
+    testing::Workload w(config);
+    const std::int64_t valid = config.num_valid_tokens < 0 ? config.num_tokens : config.num_valid_tokens;
+    const int num_sets = planned_sets(shape);
+    std::vector<DeviceSet> sets;
+    for (int i = 0; i < num_sets; ++i) sets.push_back(make_set(w, valid));
     check(cudaDeviceSynchronize(), "setup");
-    const RerouteInputs inputs{TensorView(tokens, shape.dtype, {a, kHidden}),
-                               TensorView(count_data, DType::kInt32, {kRanks, kExperts}),
-                               TensorView(scales, DType::kFloat32, {a}),
-                               TensorView(weight, DType::kFloat32, {a, 1})};
-    const RerouteOutputs outputs{TensorView(permute_tokens, shape.dtype, {a, kHidden}),
-                                 TensorView(permute_scales, DType::kFloat32, {a}),
-                                 TensorView(index, DType::kInt32, {a}),
-                                 TensorView(expert_token_num, DType::kInt32, {kExperts}),
-                                 TensorView(permute_weight, DType::kFloat32, {a, 1})};
-    const cuda::DeviceContext context{stream, status, workspace, workspace_bytes};
-    const auto op = [&] { cuda::moe_re_routing(inputs, outputs, {}, context); };
-    const auto copy = [&] {
-      check(cudaMemcpyAsync(copy_dst, copy_src, copy_bytes, cudaMemcpyDeviceToDevice, stream),
-            "cudaMemcpyAsync");
+    // Verified before it is timed: a wrong kernel fails here, not in the table.
+    const std::string verdict = verify(w, sets[0], config.attributes, stream);
+    failures += verdict.empty() ? 0 : 1;
+    const int reps = shape.num_tokens >= 100000 ? std::max(5, options.reps / 5) : options.reps;
+    const auto call = [&](int i) {
+      DeviceSet& s = sets[static_cast<std::size_t>(i)];
+      s.context.stream = stream;
+      cuda::moe_re_routing(s.inputs, s.outputs, config.attributes, s.context);
     };
-    const int shape_reps = a >= 131072 ? std::max(5, reps / 5) : reps;
-    for (const bool graph : {false, true}) {
-      const double op_us = graph ? median_graph_us(stream, shape_reps, op)
-                                 : median_us(stream, shape_reps, op);
-      const double copy_us = graph ? median_graph_us(stream, shape_reps, copy)
-                                   : median_us(stream, shape_reps, copy);
-      std::int32_t host_status = -1;
-      check(cudaMemcpy(&host_status, status, 4, cudaMemcpyDeviceToHost), "status");
-      if (host_status != 0) {
-        std::fprintf(stderr, "status %d: %s\n", host_status, cuda::status_message(host_status).c_str());
-        return 1;
+    const auto copy = [&](int i) {
+      const DeviceSet& s = sets[static_cast<std::size_t>(i)];
+      check(cudaMemcpyAsync(s.out, s.in, s.copy_bytes, cudaMemcpyDeviceToDevice, stream), "copy");
+    };
+    const double op_us = median_us(stream, reps, num_sets, call);
+    std::vector<std::function<void()>> calls;
+    for (int i = 0; i < num_sets; ++i) calls.push_back([&, i] { call(i); });
+    const double graph_us = median_graph_us(stream, reps, calls);
+    const double copy_us = median_us(stream, reps, num_sets, copy);
+    for (const DeviceSet& s : sets) {
+      if (read_status(s) != 0) {
+        failures += 1;
+        std::fprintf(stderr, "status after timing: %d\n", read_status(s));
       }
-      // Bytes read plus written, as for the copy.
-      const double gbps = 2.0 * static_cast<double>(copy_bytes) / (op_us * 1e3);
-      std::printf("%-8s %7lld %-9s %-6s %10.2f %10.2f %9.1f %9.3f\n", shape.name,
-                  static_cast<long long>(a), std::string(dtype_name(shape.dtype)).c_str(),
-                  graph ? "graph" : "plain", op_us, copy_us, gbps, copy_us / op_us);
     }
-    for (void* p : {tokens, scales, weight, count_data, permute_tokens, permute_scales,
-                    permute_weight, index, expert_token_num, static_cast<void*>(status), workspace,
-                    copy_src, copy_dst}) {
-      cudaFree(p);
+    const double gbps = 2.0 * static_cast<double>(sets[0].copy_bytes) / (op_us * 1e3);
+    const std::string dtype(dtype_name(shape.dtype));
+    const char* ok = verdict.empty() ? "yes" : verdict.c_str();
+    std::printf("%-8s %7lld %-9s %4lld %5lld%% %5d %10.2f %10.2f %10.2f %9.1f %8.3f %8.3f %s\n",
+                shape.name, static_cast<long long>(shape.num_tokens), dtype.c_str(),
+                static_cast<long long>(shape.alignment), static_cast<long long>(25 * shape.valid_quarters),
+                num_sets, op_us, graph_us, copy_us, gbps, copy_us / op_us, copy_us / graph_us, ok);
+    std::fflush(stdout);
+    if (tsv) {
+      std::fprintf(tsv, "%s\t%lld\t%s\t%lld\t%lld\t%.3f\t%.3f\t%.3f\t%s\n", shape.name,
+                   static_cast<long long>(shape.num_tokens), dtype.c_str(),
+                   static_cast<long long>(shape.alignment), static_cast<long long>(valid), op_us,
+                   graph_us, copy_us, verdict.empty() ? "yes" : "NO");
+    }
+    for (const DeviceSet& s : sets) {
+      cudaFree(s.in);
+      cudaFree(s.out);
     }
   }
+  if (tsv) std::fclose(tsv);
   cudaStreamDestroy(stream);
-  return 0;
+  return failures == 0 ? 0 : 1;
 }
