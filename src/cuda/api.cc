@@ -111,19 +111,22 @@ const detail::DeviceLimits& device_limits(cudaStream_t stream) {
 const std::byte* bytes(const TensorView& view) { return static_cast<const std::byte*>(view.data); }
 std::byte* mutable_bytes(const TensorView& view) { return static_cast<std::byte*>(view.data); }
 
-// Small rows are moved by one thread each, so their words must fit in int32.
-detail::RowMove rows(const std::byte* src, const TensorView& dst, std::int64_t row_bytes) {
+// Scale and weight rows are moved by one thread each: their words must fit
+// in int32. (Token rows go by tiles; their words are not used.)
+detail::RowMove rows(const std::byte* src, const TensorView& dst, std::int64_t row_bytes,
+                     const char* name) {
   const int width = detail::word_width(src, dst.data, row_bytes);
   if (row_bytes / width > detail::kInt32Max) {
-    fail(ErrorCode::kOutOfRange, "per_token_scales: rows of " + std::to_string(row_bytes) +
+    fail(ErrorCode::kOutOfRange, std::string(name) + ": rows of " + std::to_string(row_bytes) +
                                      " bytes are past what the CUDA backend moves");
   }
   return {src, mutable_bytes(dst), row_bytes, width, static_cast<std::int32_t>(row_bytes / width)};
 }
 
-detail::RowMove rows(const std::optional<TensorView>& src, const std::optional<TensorView>& dst) {
+detail::RowMove rows(const std::optional<TensorView>& src, const std::optional<TensorView>& dst,
+                     const char* name) {
   if (!src) return {};
-  return rows(bytes(*src), *dst, row_bytes(src->spec));
+  return rows(bytes(*src), *dst, row_bytes(src->spec), name);
 }
 
 // The parts of a call both directions share: counts, rows and tiles.
@@ -186,12 +189,12 @@ void moe_re_routing(const RerouteInputs& inputs, const RerouteOutputs& outputs,
   check_int32(counts.shape()[0] * counts.shape()[1], "expert_token_num_per_rank", "blocks");
 
   detail::KernelParams p = params_for(counts, attributes, rank_rows, true, context);
-  p.tokens = rows(bytes(inputs.tokens), outputs.permute_tokens, row_bytes(inputs.tokens.spec));
+  p.tokens = {bytes(inputs.tokens), mutable_bytes(outputs.permute_tokens), row_bytes(inputs.tokens.spec)};
   // Without scales permute_per_token_scales is [R] float32 zeros.
   p.scales = inputs.per_token_scales
-                 ? rows(inputs.per_token_scales, outputs.permute_per_token_scales)
-                 : rows(nullptr, outputs.permute_per_token_scales, sizeof(float));
-  p.weight = rows(inputs.expert_topk_weight, outputs.permute_topk_weight);
+                 ? rows(inputs.per_token_scales, outputs.permute_per_token_scales, "per_token_scales")
+                 : rows(nullptr, outputs.permute_per_token_scales, sizeof(float), "per_token_scales");
+  p.weight = rows(inputs.expert_topk_weight, outputs.permute_topk_weight, "expert_topk_weight");
   p.index = {true, attributes.idx_type == kIdxGather, static_cast<std::int32_t>(output_rows),
              static_cast<std::int32_t>(rank_rows)};
   p.index_data = static_cast<std::int32_t*>(outputs.permute_token_idx.data);
@@ -218,9 +221,9 @@ void moe_re_routing_inverse(const InverseInputs& inputs, const InverseOutputs& o
   check_int32(inputs.tokens.shape()[0], "tokens", "rows");
 
   detail::KernelParams p = params_for(counts, attributes, rank_rows, false, context);
-  p.tokens = rows(bytes(inputs.tokens), outputs.restored_tokens, row_bytes(inputs.tokens.spec));
-  p.scales = rows(inputs.per_token_scales, outputs.restored_per_token_scales);
-  p.weight = rows(inputs.expert_topk_weight, outputs.restored_topk_weight);
+  p.tokens = {bytes(inputs.tokens), mutable_bytes(outputs.restored_tokens), row_bytes(inputs.tokens.spec)};
+  p.scales = rows(inputs.per_token_scales, outputs.restored_per_token_scales, "per_token_scales");
+  p.weight = rows(inputs.expert_topk_weight, outputs.restored_topk_weight, "expert_topk_weight");
   enqueue(p, counts.dtype(), rank_rows, context);
 }
 
