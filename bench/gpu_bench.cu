@@ -120,10 +120,11 @@ DeviceSet make_set(testing::Workload& w, std::int64_t valid_rows) {
   s.inputs.per_token_scales = moved(*h.per_token_scales, next);
   s.inputs.expert_topk_weight = moved(*h.expert_topk_weight, next);
   s.inputs.expert_token_num_per_rank = moved(h.expert_token_num_per_rank, next);
-  for (const auto& [device, host] : {std::pair{s.inputs.tokens, h.tokens},
-                                     {*s.inputs.per_token_scales, *h.per_token_scales},
-                                     {*s.inputs.expert_topk_weight, *h.expert_topk_weight},
-                                     {s.inputs.expert_token_num_per_rank, h.expert_token_num_per_rank}}) {
+  for (const auto& [device, host] :
+       {std::pair{s.inputs.tokens, h.tokens},
+        {*s.inputs.per_token_scales, *h.per_token_scales},
+        {*s.inputs.expert_topk_weight, *h.expert_topk_weight},
+        {s.inputs.expert_token_num_per_rank, h.expert_token_num_per_rank}}) {
     check(cudaMemcpy(device.data, host.data, static_cast<std::size_t>(host.nbytes()),
                      cudaMemcpyHostToDevice),
           "upload");
@@ -160,8 +161,10 @@ std::int32_t read_status(const DeviceSet& s) {
 std::string verify(testing::Workload& w, DeviceSet& s, const Attributes& attributes,
                    cudaStream_t stream) {
   // Everything but the status word, which follows the outputs.
-  check(cudaMemset(s.out, 0xA5, static_cast<std::size_t>(reinterpret_cast<std::byte*>(s.context.status) - s.out)),
-        "poison");
+  check(
+      cudaMemset(s.out, 0xA5,
+                 static_cast<std::size_t>(reinterpret_cast<std::byte*>(s.context.status) - s.out)),
+      "poison");
   s.context.stream = stream;
   cuda::moe_re_routing(s.inputs, s.outputs, attributes, s.context);
   check(cudaStreamSynchronize(stream), "verify call");
@@ -172,14 +175,14 @@ std::string verify(testing::Workload& w, DeviceSet& s, const Attributes& attribu
   w.permute_weight = download(s.outputs.permute_topk_weight);
   w.token_idx = download(s.outputs.permute_token_idx);
   w.expert_token_num = download(s.outputs.expert_token_num);
-  return w.compare(testing::reference_reroute(w.reference_inputs(),
-                                              attributes.expert_token_num_type,
-                                              attributes.idx_type));
+  return w.compare(testing::reference_reroute(
+      w.reference_inputs(), attributes.expert_token_num_type, attributes.idx_type));
 }
 
 // Median over batches of the mean microseconds per call of `enqueue(i)`,
 // called for i = 0 .. batch-1 between two events.
-double median_us(cudaStream_t stream, int reps, int batch, const std::function<void(int)>& enqueue) {
+double median_us(cudaStream_t stream, int reps, int batch,
+                 const std::function<void(int)>& enqueue) {
   cudaEvent_t start, stop;
   check(cudaEventCreate(&start), "cudaEventCreate");
   check(cudaEventCreate(&stop), "cudaEventCreate");
@@ -201,7 +204,8 @@ double median_us(cudaStream_t stream, int reps, int batch, const std::function<v
 }
 
 // Each of `calls` captured in its own graph, replayed in turn.
-double median_graph_us(cudaStream_t stream, int reps, const std::vector<std::function<void()>>& calls) {
+double median_graph_us(cudaStream_t stream, int reps,
+                       const std::vector<std::function<void()>>& calls) {
   std::vector<cudaGraphExec_t> execs;
   for (const auto& call : calls) {
     cudaGraph_t graph;
@@ -254,10 +258,11 @@ int main(int argc, char** argv) {
   // bf16 H = 7168, N = E = 16, [A] float32 scales, [A, 1] weights. 163840
   // rows of bf16 are 2.35 GB: one tensor past 2 GiB (64-bit byte offsets).
   std::vector<BenchShape> shapes = {
-      {"decode", 256, DType::kBFloat16},           {"decode", 256, DType::kInt8},
-      {"decode", 256, DType::kBFloat16, 1, 1},     {"decode", 256, DType::kBFloat16, 128, 1},
-      {"decode", 256, DType::kBFloat16, 128},      {"prefill", 16384, DType::kBFloat16},
-      {"prefill", 16384, DType::kInt8},            {"prefill", 16384, DType::kBFloat16, 128},
+      {"decode", 256, DType::kBFloat16},          {"decode", 256, DType::kInt8},
+      {"decode", 256, DType::kBFloat16, 1, 1},    {"decode", 256, DType::kBFloat16, 128, 1},
+      {"decode", 256, DType::kBFloat16, 128},     {"prefill", 16384, DType::kBFloat16},
+      {"prefill", 16384, DType::kInt8},           {"prefill", 16384, DType::kBFloat16, 128},
+      {"prefill", 16384, DType::kBFloat16, 1, 1},
   };
   if (options.big) shapes.push_back({"prefill", 163840, DType::kBFloat16});
   std::printf("%-8s %7s %-9s %4s %6s %5s %10s %10s %10s %9s %8s %8s %s\n", "shape", "A", "dtype",
@@ -267,10 +272,11 @@ int main(int argc, char** argv) {
     for (const BenchShape& s : shapes) {
       const double mb = static_cast<double>(s.num_tokens * s.valid_quarters / 4) *
                         static_cast<double>(dtype_bytes(s.dtype, 7168) + 8) / 1e6;
-      std::printf("%-8s %7lld %-9s %4lld %5lld%% %5d  (dry run: %.1f MB read a call, not launched)\n",
-                  s.name, static_cast<long long>(s.num_tokens),
-                  std::string(dtype_name(s.dtype)).c_str(), static_cast<long long>(s.alignment),
-                  static_cast<long long>(25 * s.valid_quarters), planned_sets(s), mb);
+      std::printf(
+          "%-8s %7lld %-9s %4lld %5lld%% %5d  (dry run: %.1f MB read a call, not launched)\n",
+          s.name, static_cast<long long>(s.num_tokens), std::string(dtype_name(s.dtype)).c_str(),
+          static_cast<long long>(s.alignment), static_cast<long long>(25 * s.valid_quarters),
+          planned_sets(s), mb);
     }
     return 0;
   }
@@ -291,7 +297,8 @@ int main(int argc, char** argv) {
   for (const BenchShape& shape : shapes) {
     const testing::WorkloadConfig config = config_for(shape);
     testing::Workload w(config);
-    const std::int64_t valid = config.num_valid_tokens < 0 ? config.num_tokens : config.num_valid_tokens;
+    const std::int64_t valid =
+        config.num_valid_tokens < 0 ? config.num_tokens : config.num_valid_tokens;
     const int num_sets = planned_sets(shape);
     std::vector<DeviceSet> sets;
     for (int i = 0; i < num_sets; ++i) sets.push_back(make_set(w, valid));
@@ -325,8 +332,9 @@ int main(int argc, char** argv) {
     const char* ok = verdict.empty() ? "yes" : verdict.c_str();
     std::printf("%-8s %7lld %-9s %4lld %5lld%% %5d %10.2f %10.2f %10.2f %9.1f %8.3f %8.3f %s\n",
                 shape.name, static_cast<long long>(shape.num_tokens), dtype.c_str(),
-                static_cast<long long>(shape.alignment), static_cast<long long>(25 * shape.valid_quarters),
-                num_sets, op_us, graph_us, copy_us, gbps, copy_us / op_us, copy_us / graph_us, ok);
+                static_cast<long long>(shape.alignment),
+                static_cast<long long>(25 * shape.valid_quarters), num_sets, op_us, graph_us,
+                copy_us, gbps, copy_us / op_us, copy_us / graph_us, ok);
     std::fflush(stdout);
     if (tsv) {
       std::fprintf(tsv, "%s\t%lld\t%s\t%lld\t%lld\t%.3f\t%.3f\t%.3f\t%s\n", shape.name,

@@ -37,9 +37,10 @@ enum StatusBit : std::int32_t {
 
 /// Where a call runs and what device memory it may use.
 struct DeviceContext {
-  void* stream = nullptr;           // a cudaStream_t (its device runs the call); nullptr is the legacy default stream
-  std::int32_t* status = nullptr;   // device int32, 4-byte aligned, sticky (see StatusBit)
-  void* workspace = nullptr;        // device memory, 8-byte aligned; may be null when none is needed
+  void* stream =
+      nullptr;  // a cudaStream_t (its device runs the call); nullptr is the legacy default stream
+  std::int32_t* status = nullptr;  // device int32, 4-byte aligned, sticky (see StatusBit)
+  void* workspace = nullptr;       // device memory, 8-byte aligned; may be null when none is needed
   std::size_t workspace_bytes = 0;  // at least required_workspace_bytes(N, E)
 };
 
@@ -55,8 +56,7 @@ MOE_REROUTE_CUDA_API std::size_t required_workspace_bytes(std::int64_t num_ranks
 /// and expert_token_num must be aligned to their element size; tokens, scales
 /// and weights may have any alignment. Throws Error on the host before
 /// launching anything.
-MOE_REROUTE_CUDA_API void moe_re_routing(const RerouteInputs& inputs,
-                                         const RerouteOutputs& outputs,
+MOE_REROUTE_CUDA_API void moe_re_routing(const RerouteInputs& inputs, const RerouteOutputs& outputs,
                                          const Attributes& attributes,
                                          const DeviceContext& context);
 

@@ -66,9 +66,9 @@ struct ContextViews {
 ContextViews context_views(const DeviceContext& context, const TensorView& counts) {
   const std::size_t needed = required_workspace_bytes(counts.shape()[0], counts.shape()[1]);
   if (context.workspace_bytes < needed) {
-    fail(ErrorCode::kInvalidArgument,
-         "workspace: counts " + counts.shape().to_string() + " need " + std::to_string(needed) +
-             " bytes, got " + std::to_string(context.workspace_bytes));
+    fail(ErrorCode::kInvalidArgument, "workspace: counts " + counts.shape().to_string() + " need " +
+                                          std::to_string(needed) + " bytes, got " +
+                                          std::to_string(context.workspace_bytes));
   }
   check_aligned(context.status, sizeof(std::int32_t), "status");
   check_aligned(context.workspace, sizeof(std::int64_t), "workspace");
@@ -96,14 +96,17 @@ const detail::DeviceLimits& device_limits(cudaStream_t stream) {
   static cudaError_t count_error = cudaSuccess;
   std::call_once(counted, [] {
     count_error = cudaGetDeviceCount(&num_devices);
-    if (count_error == cudaSuccess) slots = std::make_unique<DeviceSlot[]>(static_cast<std::size_t>(num_devices));
+    if (count_error == cudaSuccess)
+      slots = std::make_unique<DeviceSlot[]>(static_cast<std::size_t>(num_devices));
   });
   check_cuda(count_error, "cudaGetDeviceCount");
   int device = 0;
   check_cuda(cudaStreamGetDevice(stream, &device), "cudaStreamGetDevice");
-  if (device < 0 || device >= num_devices) check_cuda(cudaErrorInvalidDevice, "cudaStreamGetDevice");
+  if (device < 0 || device >= num_devices)
+    check_cuda(cudaErrorInvalidDevice, "cudaStreamGetDevice");
   DeviceSlot& slot = slots[static_cast<std::size_t>(device)];
-  std::call_once(slot.once, [&slot, device] { slot.error = detail::query_limits(device, slot.limits); });
+  std::call_once(slot.once,
+                 [&slot, device] { slot.error = detail::query_limits(device, slot.limits); });
   check_cuda(slot.error, "device limits");
   return slot.limits;
 }
@@ -161,10 +164,11 @@ void enqueue(detail::KernelParams& p, DType count_dtype, std::int64_t output_row
   const int occupancy =
       plan.fused ? limits.fused_occupancy[plan.int64_counts ? 1 : 0] : limits.move_occupancy;
   // The most small tasks any counts can ask for: a row each, plus the index.
-  const std::int64_t small = p.index.present ? p.index.output_rows + p.index.input_rows : output_rows;
-  plan.grid = detail::grid_size(p.tiles, output_rows, small,
-                                detail::blocks_per_sm(occupancy, plan.smem_bytes, limits),
-                                limits.num_sms);
+  const std::int64_t small =
+      p.index.present ? p.index.output_rows + p.index.input_rows : output_rows;
+  plan.grid =
+      detail::grid_size(p.tiles, output_rows, small,
+                        detail::blocks_per_sm(occupancy, plan.smem_bytes, limits), limits.num_sms);
   check_cuda(detail::launch(p, plan, stream), "kernel launch");
 }
 
@@ -178,8 +182,7 @@ void moe_re_routing(const RerouteInputs& inputs, const RerouteOutputs& outputs,
   moe_reroute::detail::check_run_arguments(
       input_specs(inputs), named_inputs(inputs),
       {specs.permute_tokens, specs.permute_per_token_scales, specs.permute_token_idx,
-       specs.expert_token_num, specs.permute_topk_weight, views.status.spec,
-       views.workspace.spec},
+       specs.expert_token_num, specs.permute_topk_weight, views.status.spec, views.workspace.spec},
       with_context(named_outputs(outputs), views));
   check_element_aligned(counts, "expert_token_num_per_rank");
   check_element_aligned(outputs.permute_token_idx, "permute_token_idx");
@@ -189,11 +192,13 @@ void moe_re_routing(const RerouteInputs& inputs, const RerouteOutputs& outputs,
   check_int32(counts.shape()[0] * counts.shape()[1], "expert_token_num_per_rank", "blocks");
 
   detail::KernelParams p = params_for(counts, attributes, rank_rows, true, context);
-  p.tokens = {bytes(inputs.tokens), mutable_bytes(outputs.permute_tokens), row_bytes(inputs.tokens.spec)};
+  p.tokens = {bytes(inputs.tokens), mutable_bytes(outputs.permute_tokens),
+              row_bytes(inputs.tokens.spec)};
   // Without scales permute_per_token_scales is [R] float32 zeros.
-  p.scales = inputs.per_token_scales
-                 ? rows(inputs.per_token_scales, outputs.permute_per_token_scales, "per_token_scales")
-                 : rows(nullptr, outputs.permute_per_token_scales, sizeof(float), "per_token_scales");
+  p.scales =
+      inputs.per_token_scales
+          ? rows(inputs.per_token_scales, outputs.permute_per_token_scales, "per_token_scales")
+          : rows(nullptr, outputs.permute_per_token_scales, sizeof(float), "per_token_scales");
   p.weight = rows(inputs.expert_topk_weight, outputs.permute_topk_weight, "expert_topk_weight");
   p.index = {true, attributes.idx_type == kIdxGather, static_cast<std::int32_t>(output_rows),
              static_cast<std::int32_t>(rank_rows)};
@@ -213,15 +218,16 @@ void moe_re_routing_inverse(const InverseInputs& inputs, const InverseOutputs& o
   if (specs.restored_per_token_scales) output_specs.push_back(*specs.restored_per_token_scales);
   if (specs.restored_topk_weight) output_specs.push_back(*specs.restored_topk_weight);
   output_specs.insert(output_specs.end(), {views.status.spec, views.workspace.spec});
-  moe_reroute::detail::check_run_arguments(input_specs(inputs), named_inputs(inputs),
-                                           output_specs, with_context(outputs_named, views));
+  moe_reroute::detail::check_run_arguments(input_specs(inputs), named_inputs(inputs), output_specs,
+                                           with_context(outputs_named, views));
   check_element_aligned(counts, "expert_token_num_per_rank");
   const std::int64_t rank_rows = specs.restored_tokens.shape[0];
   check_int32(counts.shape()[0] * counts.shape()[1], "expert_token_num_per_rank", "blocks");
   check_int32(inputs.tokens.shape()[0], "tokens", "rows");
 
   detail::KernelParams p = params_for(counts, attributes, rank_rows, false, context);
-  p.tokens = {bytes(inputs.tokens), mutable_bytes(outputs.restored_tokens), row_bytes(inputs.tokens.spec)};
+  p.tokens = {bytes(inputs.tokens), mutable_bytes(outputs.restored_tokens),
+              row_bytes(inputs.tokens.spec)};
   p.scales = rows(inputs.per_token_scales, outputs.restored_per_token_scales, "per_token_scales");
   p.weight = rows(inputs.expert_topk_weight, outputs.restored_topk_weight, "expert_topk_weight");
   enqueue(p, counts.dtype(), rank_rows, context);

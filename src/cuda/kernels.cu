@@ -61,8 +61,7 @@ __device__ Totals build_tables(const KernelParams& p, const Tables& t, Count* et
   const Layout& l = p.layout;
   const int thread = static_cast<int>(threadIdx.x);
   const int threads = static_cast<int>(blockDim.x);
-  const std::int32_t seen =
-      load_counts(l, static_cast<const Count*>(p.counts), t, thread, threads);
+  const std::int32_t seen = load_counts(l, static_cast<const Count*>(p.counts), t, thread, threads);
   const int negative = __syncthreads_or(seen & kBitNegative);
   const int too_large = __syncthreads_or(seen & kBitSum);
   SliceSums prefix = slice_sums(l, t, thread, threads);
@@ -139,8 +138,8 @@ __device__ void shifted_move(uint4* out, const uint4* in, std::int32_t words, in
 // The warp moves n bytes to dst from src (null: zeros): single bytes up to
 // an aligned dst, 16-byte streaming stores, single bytes after.
 __device__ void warp_move(std::byte* dst, const std::byte* src, std::int32_t n, int lane) {
-  const ByteSplit split = split_bytes(reinterpret_cast<std::uintptr_t>(dst),
-                                      reinterpret_cast<std::uintptr_t>(src), n);
+  const ByteSplit split =
+      split_bytes(reinterpret_cast<std::uintptr_t>(dst), reinterpret_cast<std::uintptr_t>(src), n);
   if (lane < split.head) dst[lane] = src == nullptr ? std::byte{0} : src[lane];
   const std::int32_t after = split.head + split.words * 16;
   if (lane < split.tail) dst[after + lane] = src == nullptr ? std::byte{0} : src[after + lane];
@@ -274,8 +273,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) fused_kernel(KernelParam
 // The workspace of the two-kernel path: Totals (kTotalsBytes), then the tables.
 __device__ Totals* totals_at(void* workspace) { return static_cast<Totals*>(workspace); }
 __device__ Tables workspace_tables(const KernelParams& p) {
-  return tables_at(reinterpret_cast<std::int32_t*>(static_cast<std::byte*>(p.workspace) + kTotalsBytes),
-                   p.layout.num_blocks());
+  return tables_at(
+      reinterpret_cast<std::int32_t*>(static_cast<std::byte*>(p.workspace) + kTotalsBytes),
+      p.layout.num_blocks());
 }
 
 template <typename Count>
@@ -329,8 +329,10 @@ cudaError_t query_limits(int device, DeviceLimits& limits) {
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic);
     }
   }
-  if (error == cudaSuccess) error = occupancy(fused_kernel<std::int32_t>, kThreads, limits.fused_occupancy[0]);
-  if (error == cudaSuccess) error = occupancy(fused_kernel<std::int64_t>, kThreads, limits.fused_occupancy[1]);
+  if (error == cudaSuccess)
+    error = occupancy(fused_kernel<std::int32_t>, kThreads, limits.fused_occupancy[0]);
+  if (error == cudaSuccess)
+    error = occupancy(fused_kernel<std::int64_t>, kThreads, limits.fused_occupancy[1]);
   if (error == cudaSuccess) error = occupancy(move_kernel, kThreads, limits.move_occupancy);
   if (device != current) {
     const cudaError_t restore = cudaSetDevice(current);

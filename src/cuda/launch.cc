@@ -61,16 +61,19 @@ TileShape tile_shape(std::int64_t output_rows, std::int64_t row_bytes) {
   // Only past 2^31 tiles of 2 KiB (4 TiB): the tiles stay far below 2^31 bytes.
   const std::int64_t tile_bytes = (row_bytes + max_tiles_per_row - 1) / max_tiles_per_row;
   shape.tile_bytes = (tile_bytes + 15) / 16 * 16;
-  shape.tiles_per_row = static_cast<std::int32_t>((row_bytes + shape.tile_bytes - 1) / shape.tile_bytes);
+  shape.tiles_per_row =
+      static_cast<std::int32_t>((row_bytes + shape.tile_bytes - 1) / shape.tile_bytes);
   return shape;
 }
 
 std::int64_t grid_size(const TileShape& tiles, std::int64_t output_rows, std::int64_t small_tasks,
                        int blocks_per_sm, int num_sms) {
   constexpr std::int64_t kWarpsPerBlock = kThreads / kWarpSize;
-  const std::int64_t for_tiles = (output_rows * tiles.tiles_per_row + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  const std::int64_t for_tiles =
+      (output_rows * tiles.tiles_per_row + kWarpsPerBlock - 1) / kWarpsPerBlock;
   const std::int64_t for_small = (small_tasks + kThreads - 1) / kThreads;
-  const std::int64_t resident = static_cast<std::int64_t>(std::max(blocks_per_sm, 1)) * std::max(num_sms, 1);
+  const std::int64_t resident =
+      static_cast<std::int64_t>(std::max(blocks_per_sm, 1)) * std::max(num_sms, 1);
   return std::clamp<std::int64_t>(std::max(for_tiles, for_small), 1, resident);
 }
 

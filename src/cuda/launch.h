@@ -15,7 +15,8 @@ struct DeviceLimits {
   int num_sms = 0;
   std::size_t smem_per_sm = 0;
   std::size_t reserved_smem_per_block = 0;
-  int fused_occupancy[2] = {0, 0};     // resident blocks per SM without shared memory: int32, int64 counts
+  int fused_occupancy[2] = {
+      0, 0};  // resident blocks per SM without shared memory: int32, int64 counts
   int move_occupancy = 0;
   bool programmatic_launch = false;  // sm_90 and up
 };

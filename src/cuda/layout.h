@@ -205,8 +205,8 @@ MOE_REROUTE_HD std::int64_t slice_pads(const Layout& l, const Tables& t, int thr
 /// padded segment (cumsum mode).
 template <typename Count>
 MOE_REROUTE_HD void write_pads(const Layout& l, const Tables& t, int thread, int threads,
-                               std::int64_t total, std::int64_t pad_prefix,
-                               Count* expert_token_num, bool cumsum) {
+                               std::int64_t total, std::int64_t pad_prefix, Count* expert_token_num,
+                               bool cumsum) {
   const Slice s = slice_of(l.num_experts, thread, threads);
   const std::int32_t* expert_begin = l.forward ? t.out_begin : t.in_begin;
   for (std::int32_t e = s.begin; e < s.end; ++e) {
@@ -288,8 +288,8 @@ struct TileSpan {
 
 MOE_REROUTE_HD TileSpan tile_span(const TileShape& shape, std::int32_t tile) {
   const std::int32_t row = tile / shape.tiles_per_row;
-  const std::int64_t begin = static_cast<std::int64_t>(tile - row * shape.tiles_per_row) *
-                             shape.tile_bytes;
+  const std::int64_t begin =
+      static_cast<std::int64_t>(tile - row * shape.tiles_per_row) * shape.tile_bytes;
   const std::int64_t left = shape.row_bytes - begin;
   return {row, begin, static_cast<std::int32_t>(left < shape.tile_bytes ? left : shape.tile_bytes)};
 }

@@ -112,8 +112,9 @@ struct DeviceWorkload {
   }
 
   std::size_t shift(bool misaligned, std::size_t alignment) {
-    return misaligned ? std::uniform_int_distribution<std::size_t>(0, 15)(rng) / alignment * alignment
-                      : 0;
+    return misaligned
+               ? std::uniform_int_distribution<std::size_t>(0, 15)(rng) / alignment * alignment
+               : 0;
   }
 
   DeviceContext context(cudaStream_t stream) const {
@@ -123,10 +124,11 @@ struct DeviceWorkload {
 
   RerouteInputs inputs(const Workload& w) const {
     const RerouteInputs host = w.inputs();
-    RerouteInputs in{on_device(host.tokens, tokens), on_device(host.expert_token_num_per_rank, counts),
-                     std::nullopt, std::nullopt};
+    RerouteInputs in{on_device(host.tokens, tokens),
+                     on_device(host.expert_token_num_per_rank, counts), std::nullopt, std::nullopt};
     if (host.per_token_scales) in.per_token_scales = on_device(*host.per_token_scales, scales);
-    if (host.expert_topk_weight) in.expert_topk_weight = on_device(*host.expert_topk_weight, weight);
+    if (host.expert_topk_weight)
+      in.expert_topk_weight = on_device(*host.expert_topk_weight, weight);
     return in;
   }
 
@@ -154,11 +156,16 @@ struct DeviceWorkload {
   }
   std::string guards() const {
     const std::pair<const char*, const DeviceBuffer*> all[] = {
-        {"tokens", &tokens},           {"counts", &counts},
-        {"scales", &scales},           {"weight", &weight},
-        {"permute_tokens", &permute_tokens}, {"permute_scales", &permute_scales},
-        {"permute_weight", &permute_weight}, {"token_idx", &token_idx},
-        {"expert_token_num", &expert_token_num}, {"status", &status}};
+        {"tokens", &tokens},
+        {"counts", &counts},
+        {"scales", &scales},
+        {"weight", &weight},
+        {"permute_tokens", &permute_tokens},
+        {"permute_scales", &permute_scales},
+        {"permute_weight", &permute_weight},
+        {"token_idx", &token_idx},
+        {"expert_token_num", &expert_token_num},
+        {"status", &status}};
     for (const auto& [name, buffer] : all) {
       const std::string bad = buffer->guards(name);
       if (!bad.empty()) return bad;
@@ -199,15 +206,16 @@ Workload cpu_result(const WorkloadConfig& config, const std::vector<std::int64_t
 }
 
 std::string differs_from_cpu(const Workload& gpu, const Workload& cpu) {
-  const std::pair<const char*, std::pair<const std::vector<std::byte>*, const std::vector<std::byte>*>>
+  const std::pair<const char*,
+                  std::pair<const std::vector<std::byte>*, const std::vector<std::byte>*>>
       all[] = {{"permute_tokens", {&gpu.permute_tokens, &cpu.permute_tokens}},
                {"permute_per_token_scales", {&gpu.permute_scales, &cpu.permute_scales}},
                {"permute_topk_weight", {&gpu.permute_weight, &cpu.permute_weight}},
                {"permute_token_idx", {&gpu.token_idx, &cpu.token_idx}},
                {"expert_token_num", {&gpu.expert_token_num, &cpu.expert_token_num}}};
   for (const auto& [name, pair] : all) {
-    const std::string diff = testing::first_difference(name, *pair.first, pair.second->data(),
-                                                       pair.second->size());
+    const std::string diff =
+        testing::first_difference(name, *pair.first, pair.second->data(), pair.second->size());
     if (!diff.empty()) return diff;
   }
   return "";
@@ -230,10 +238,10 @@ class CudaGpu : public ::testing::Test {
   // the naive reference, the guards and the status word.
   void run_forward(const WorkloadConfig& config, bool misaligned) {
     SCOPED_TRACE("A=" + std::to_string(config.num_tokens) + " H=" + std::to_string(config.hidden) +
-                 " N=" + std::to_string(config.num_ranks) + " E=" +
-                 std::to_string(config.num_experts) + " " +
-                 std::string(dtype_name(config.token_dtype)) + " seed=" +
-                 std::to_string(config.seed) + (misaligned ? " misaligned" : ""));
+                 " N=" + std::to_string(config.num_ranks) +
+                 " E=" + std::to_string(config.num_experts) + " " +
+                 std::string(dtype_name(config.token_dtype)) +
+                 " seed=" + std::to_string(config.seed) + (misaligned ? " misaligned" : ""));
     Workload w(config);
     const DeviceWorkload d(w, misaligned, config.seed);
     moe_re_routing(d.inputs(w), d.outputs(w), config.attributes, d.context(stream_));
@@ -320,8 +328,10 @@ TEST_F(CudaGpu, ForwardHandlesLargeSparseAndSkewedCounts) {
   const struct {
     std::int64_t ranks, experts, tokens;
     double skew, zero_fraction;
-  } cases[] = {{64, 512, 3000, 0.0, 0.95}, {300, 400, 5000, 0.0, 0.99},
-               {16, 16, 20000, 4.0, 0.0},  {1, 2048, 4000, 2.0, 0.5},
+  } cases[] = {{64, 512, 3000, 0.0, 0.95},
+               {300, 400, 5000, 0.0, 0.99},
+               {16, 16, 20000, 4.0, 0.0},
+               {1, 2048, 4000, 2.0, 0.5},
                {2048, 1, 4000, 2.0, 0.5}};
   std::uint64_t seed = 900;
   for (const auto& c : cases) {
@@ -369,8 +379,10 @@ TEST_F(CudaGpu, InverseMatchesTheCpu) {
       const RerouteInputs host_in = cpu.inputs();
       const RerouteOutputs host_out = cpu.outputs();
       InverseOutputs host_restored{host_out.permute_tokens, std::nullopt, std::nullopt};
-      if (host_in.per_token_scales) host_restored.restored_per_token_scales = host_out.permute_per_token_scales;
-      if (host_in.expert_topk_weight) host_restored.restored_topk_weight = host_out.permute_topk_weight;
+      if (host_in.per_token_scales)
+        host_restored.restored_per_token_scales = host_out.permute_per_token_scales;
+      if (host_in.expert_topk_weight)
+        host_restored.restored_topk_weight = host_out.permute_topk_weight;
       moe_re_routing_inverse({host_in.tokens, host_in.expert_token_num_per_rank,
                               host_in.per_token_scales, host_in.expert_topk_weight},
                              host_restored);
@@ -382,9 +394,10 @@ TEST_F(CudaGpu, InverseMatchesTheCpu) {
                                           naive.tokens.data(), naive.tokens.size()),
                 "");
       if (config.has_scales) {
-        EXPECT_EQ(testing::first_difference("restored_per_token_scales", d.permute_scales.download(),
-                                            naive.scales.data(), naive.scales.size()),
-                  "");
+        EXPECT_EQ(
+            testing::first_difference("restored_per_token_scales", d.permute_scales.download(),
+                                      naive.scales.data(), naive.scales.size()),
+            "");
       } else {
         EXPECT_EQ(d.permute_scales.download(), cpu.permute_scales);  // untouched poison
       }
@@ -408,17 +421,19 @@ TEST_F(CudaGpu, BadCountsSetTheStatusAndWriteNothing) {
     std::int32_t expected;  // bits that must be set
     bool exact;             // and no other
   } cases[] = {
-      {"sum short by one", DType::kInt32, [](Counts& c) { *std::max_element(c.begin(), c.end()) -= 1; },
-       kStatusCountSumMismatch, true},
-      {"sum over by one", DType::kInt64, [](Counts& c) { c.back() += 1; },
-       kStatusCountSumMismatch, true},
+      {"sum short by one", DType::kInt32,
+       [](Counts& c) { *std::max_element(c.begin(), c.end()) -= 1; }, kStatusCountSumMismatch,
+       true},
+      {"sum over by one", DType::kInt64, [](Counts& c) { c.back() += 1; }, kStatusCountSumMismatch,
+       true},
       {"negative, true sum kept", DType::kInt32,
        [](Counts& c) {
          c.back() += c.front() + 5;
          c.front() = -5;
        },
        kStatusNegativeCount, false},
-      {"int32 max", DType::kInt32, [](Counts& c) { c.front() = std::numeric_limits<std::int32_t>::max(); },
+      {"int32 max", DType::kInt32,
+       [](Counts& c) { c.front() = std::numeric_limits<std::int32_t>::max(); },
        kStatusCountSumMismatch, true},
       {"int64 sum overflows", DType::kInt64,
        [](Counts& c) {
@@ -498,7 +513,8 @@ void replay_test(cudaStream_t stream, bool static_shapes) {
   check(cudaGraphInstantiate(&exec, graph, 0));
   for (int replay = 0; replay < 4; ++replay) {
     SCOPED_TRACE("replay " + std::to_string(replay));
-    const std::int64_t valid = static_shapes ? config.num_tokens * (replay + 1) / 4 : config.num_tokens;
+    const std::int64_t valid =
+        static_shapes ? config.num_tokens * (replay + 1) / 4 : config.num_tokens;
     w.counts = testing::random_counts(config.num_ranks, config.num_experts, valid, replay,
                                       0.3 * replay, 50 + replay);
     // Bad: the replay must write nothing (with spare rows only a sum past A is).
@@ -567,10 +583,12 @@ TEST_F(CudaGpu, StaticShapeRoundTripRestoresTheValidRows) {
   for (const auto& [device, host] : pairs) {
     const std::vector<std::byte> got = device->download();
     const std::size_t row = got.size() / static_cast<std::size_t>(config.num_tokens);
-    EXPECT_EQ(testing::first_difference("restored", {got.begin(), got.begin() + static_cast<std::ptrdiff_t>(valid * row)},
-                                        host->data(), valid * row),
+    EXPECT_EQ(testing::first_difference(
+                  "restored", {got.begin(), got.begin() + static_cast<std::ptrdiff_t>(valid * row)},
+                  host->data(), valid * row),
               "");
-    for (std::size_t i = valid * row; i < got.size(); ++i) ASSERT_EQ(got[i], kPoison) << "spare byte " << i;
+    for (std::size_t i = valid * row; i < got.size(); ++i)
+      ASSERT_EQ(got[i], kPoison) << "spare byte " << i;
     EXPECT_EQ(device->guards("restored"), "");
   }
 }

@@ -2,6 +2,8 @@
 // status messages and the validation that runs before any launch. None of it
 // needs a GPU (the index math is in layout_test.cc).
 
+#include "cuda/launch.h"
+
 #include <gtest/gtest.h>
 
 #include <cstddef>
@@ -9,7 +11,6 @@
 #include <string>
 #include <vector>
 
-#include "cuda/launch.h"
 #include "moe_reroute/cuda.h"
 #include "moe_reroute/reroute.h"
 
@@ -187,9 +188,11 @@ TEST_F(CudaValidation, RejectsANullStatusWord) {
 }
 
 TEST_F(CudaValidation, RejectsAMisalignedStatusWordOrWorkspace) {
-  context_.status = reinterpret_cast<std::int32_t*>(reinterpret_cast<std::byte*>(context_.status) + 2);
+  context_.status =
+      reinterpret_cast<std::int32_t*>(reinterpret_cast<std::byte*>(context_.status) + 2);
   expect_error("status: data must be 4-byte aligned for the CUDA backend");
-  context_.status = reinterpret_cast<std::int32_t*>(reinterpret_cast<std::byte*>(context_.status) - 2);
+  context_.status =
+      reinterpret_cast<std::int32_t*>(reinterpret_cast<std::byte*>(context_.status) - 2);
   context_.workspace = static_cast<std::byte*>(context_.workspace) + 4;
   expect_error("workspace: data must be 8-byte aligned for the CUDA backend");
 }

@@ -5,6 +5,8 @@
 // naive reference, byte for byte, over the static-shape sweep. Only the
 // device's loads and stores are left to a GPU.
 
+#include "cuda/layout.h"
+
 #include <gtest/gtest.h>
 
 #include <cstddef>
@@ -15,7 +17,6 @@
 #include <string>
 #include <vector>
 
-#include "cuda/layout.h"
 #include "reference.h"
 #include "workload.h"
 
@@ -29,7 +30,9 @@ constexpr std::byte kPoison{0xA5};
 class Buffer {
  public:
   Buffer(std::size_t bytes, std::size_t offset)
-      : storage_(bytes + offset + 32, kPoison), offset_(offset + (16 - base() % 16) % 16), bytes_(bytes) {}
+      : storage_(bytes + offset + 32, kPoison),
+        offset_(offset + (16 - base() % 16) % 16),
+        bytes_(bytes) {}
   std::byte* data() { return storage_.data() + offset_; }
   const std::byte* data() const { return storage_.data() + offset_; }
   std::size_t size() const { return bytes_; }
@@ -111,12 +114,13 @@ Word load_word(const std::byte* at) {
 // warp_move: head bytes, 16-byte words (aligned, or shifted out of the
 // aligned words around them), tail bytes; src null writes zeros.
 void warp_move(std::byte* dst, const std::byte* src, std::int32_t n) {
-  const ByteSplit split = split_bytes(reinterpret_cast<std::uintptr_t>(dst),
-                                      reinterpret_cast<std::uintptr_t>(src), n);
+  const ByteSplit split =
+      split_bytes(reinterpret_cast<std::uintptr_t>(dst), reinterpret_cast<std::uintptr_t>(src), n);
   if (split.words > 0) ASSERT_EQ(reinterpret_cast<std::uintptr_t>(dst + split.head) % 16, 0u);
   for (std::int32_t b = 0; b < split.head; ++b) dst[b] = src ? src[b] : std::byte{0};
   const std::int32_t after = split.head + split.words * 16;
-  for (std::int32_t b = 0; b < split.tail; ++b) dst[after + b] = src ? src[after + b] : std::byte{0};
+  for (std::int32_t b = 0; b < split.tail; ++b)
+    dst[after + b] = src ? src[after + b] : std::byte{0};
   std::byte* out = dst + split.head;
   if (src == nullptr) {
     std::memset(out, 0, static_cast<std::size_t>(split.words) * 16);
@@ -130,7 +134,8 @@ void warp_move(std::byte* dst, const std::byte* src, std::int32_t n) {
   const std::byte* in = src + split.head - split.shift;
   ASSERT_EQ(reinterpret_cast<std::uintptr_t>(in) % 16, 0u);
   for (std::int32_t w = 0; w < split.words; ++w) {
-    const Word word = shifted_any(load_word(in + 16 * w), load_word(in + 16 * (w + 1)), split.shift);
+    const Word word =
+        shifted_any(load_word(in + 16 * w), load_word(in + 16 * (w + 1)), split.shift);
     std::memcpy(out + 16 * w, &word, sizeof(word));
   }
 }
@@ -157,7 +162,8 @@ void emulate(const Case& c, const std::vector<Count>& counts, const std::byte* t
   l.expert_alignment = c.alignment;
   l.allow_spare_rows = c.valid_rows != c.num_tokens;
   l.forward = c.forward;
-  std::vector<std::int32_t> words(static_cast<std::size_t>(table_words(c.num_ranks, c.num_experts)), -7);
+  std::vector<std::int32_t> words(static_cast<std::size_t>(table_words(c.num_ranks, c.num_experts)),
+                                  -7);
   const Tables t = tables_at(words.data(), l.num_blocks());
   const int threads = c.threads;
 
@@ -172,7 +178,8 @@ void emulate(const Case& c, const std::vector<Count>& counts, const std::byte* t
     total.expert += sums.expert;
   }
   ASSERT_EQ(total.rank, total.expert);
-  for (int i = 0; i < threads; ++i) write_begins(l, t, i, threads, prefix[static_cast<std::size_t>(i)]);
+  for (int i = 0; i < threads; ++i)
+    write_begins(l, t, i, threads, prefix[static_cast<std::size_t>(i)]);
   std::vector<std::int64_t> pad_prefix(static_cast<std::size_t>(threads));
   std::int64_t pad_total = 0;
   for (int i = 0; i < threads; ++i) {
@@ -186,14 +193,16 @@ void emulate(const Case& c, const std::vector<Count>& counts, const std::byte* t
                c.forward && status == 0 ? etn.data() : nullptr, c.cumsum);
   }
   for (int i = 0; i < threads; ++i) add_pads(l, t, i, threads);
-  out.totals = {narrow(total.rank), narrow(c.forward ? total.rank + pad_total : total.rank), status};
+  out.totals = {narrow(total.rank), narrow(c.forward ? total.rank + pad_total : total.rank),
+                status};
   out.expert_token_num.assign(etn.begin(), etn.end());
   if (status != 0) return;
 
   const std::int64_t output_rows = c.forward ? c.expert_rows() : c.num_tokens;
   TileShape tiles;
   tiles.row_bytes = c.token_row_bytes;
-  tiles.tiles_per_row = static_cast<std::int32_t>((c.token_row_bytes + kTileBytes - 1) / kTileBytes);
+  tiles.tiles_per_row =
+      static_cast<std::int32_t>((c.token_row_bytes + kTileBytes - 1) / kTileBytes);
   const std::int32_t num_tiles = out.totals.output_rows * tiles.tiles_per_row;
   for (std::int32_t tile = 0; tile < num_tiles; ++tile) {
     const TileSpan span = tile_span(tiles, tile);
@@ -201,7 +210,8 @@ void emulate(const Case& c, const std::vector<Count>& counts, const std::byte* t
     ASSERT_GT(span.bytes, 0);
     const std::int32_t src_row = source_of(t, l.num_blocks(), span.row).src_row;
     std::byte* dst = out.tokens.data() + span.row * c.token_row_bytes + span.begin;
-    const std::byte* src = src_row < 0 ? nullptr : tokens + src_row * c.token_row_bytes + span.begin;
+    const std::byte* src =
+        src_row < 0 ? nullptr : tokens + src_row * c.token_row_bytes + span.begin;
     warp_move(dst, src, span.bytes);
   }
   const IndexMode index{c.forward, c.gather, static_cast<std::int32_t>(c.expert_rows()),
@@ -224,8 +234,9 @@ void emulate(const Case& c, const std::vector<Count>& counts, const std::byte* t
 }
 
 // "" when `got` holds the reference's first `rows` rows and poison after.
-std::string compare_rows(const char* name, const Buffer& got, const std::vector<std::byte>& expected,
-                         std::int64_t rows, std::int64_t row_bytes) {
+std::string compare_rows(const char* name, const Buffer& got,
+                         const std::vector<std::byte>& expected, std::int64_t rows,
+                         std::int64_t row_bytes) {
   if (got.size() != expected.size()) return std::string(name) + ": size differs";
   const auto specified = static_cast<std::size_t>(rows * row_bytes);
   for (std::size_t i = 0; i < got.size(); ++i) {
@@ -234,8 +245,7 @@ std::string compare_rows(const char* name, const Buffer& got, const std::vector<
       return std::string(name) + ": byte " + std::to_string(i) + " (row " +
              std::to_string(static_cast<std::int64_t>(i) / row_bytes) + ") is " +
              std::to_string(std::to_integer<int>(got.data()[i])) + ", expected " +
-             std::to_string(std::to_integer<int>(want)) +
-             (i < specified ? "" : " (unwritten)");
+             std::to_string(std::to_integer<int>(want)) + (i < specified ? "" : " (unwritten)");
     }
   }
   return "";
@@ -262,12 +272,13 @@ void check_case(const Case& c, const std::vector<std::int64_t>& counts, std::int
   testing::fill_random(scales.data(), scales.size(), c.seed + 1);
   testing::fill_random(weight.data(), weight.size(), c.seed + 2);
   const bool has_scales = c.scale_row_bytes > 0 || c.forward;
-  Result got{Buffer(static_cast<std::size_t>(out_rows * c.token_row_bytes), next_shift()),
-             Buffer(static_cast<std::size_t>(has_scales ? out_rows * scale_row_bytes : 0), next_shift()),
-             Buffer(static_cast<std::size_t>(c.weight ? out_rows * 4 : 0), next_shift()),
-             std::vector<std::int32_t>(static_cast<std::size_t>(c.gather ? out_rows : in_rows), -5),
-             {},
-             {}};
+  Result got{
+      Buffer(static_cast<std::size_t>(out_rows * c.token_row_bytes), next_shift()),
+      Buffer(static_cast<std::size_t>(has_scales ? out_rows * scale_row_bytes : 0), next_shift()),
+      Buffer(static_cast<std::size_t>(c.weight ? out_rows * 4 : 0), next_shift()),
+      std::vector<std::int32_t>(static_cast<std::size_t>(c.gather ? out_rows : in_rows), -5),
+      {},
+      {}};
   if (!c.forward) got.index.clear();
   const std::byte* scale_data = c.scale_row_bytes > 0 ? scales.data() : nullptr;
   const std::byte* weight_data = c.weight ? weight.data() : nullptr;
@@ -303,9 +314,11 @@ void check_case(const Case& c, const std::vector<std::int64_t>& counts, std::int
       c.forward ? testing::reference_reroute(in, c.cumsum ? 0 : 1, c.gather ? 0 : 1)
                 : testing::reference_inverse(in);
   EXPECT_EQ(got.totals.output_rows, want.specified_rows);
-  EXPECT_EQ(compare_rows("tokens", got.tokens, want.tokens, want.specified_rows, c.token_row_bytes), "");
+  EXPECT_EQ(compare_rows("tokens", got.tokens, want.tokens, want.specified_rows, c.token_row_bytes),
+            "");
   if (has_scales) {
-    EXPECT_EQ(compare_rows("scales", got.scales, want.scales, want.specified_rows, scale_row_bytes), "");
+    EXPECT_EQ(compare_rows("scales", got.scales, want.scales, want.specified_rows, scale_row_bytes),
+              "");
   }
   if (c.weight) {
     EXPECT_EQ(compare_rows("weight", got.weight, want.weight, want.specified_rows, 4), "");
@@ -457,7 +470,8 @@ TEST(CudaLayout, SplitBytesCoversTheRange) {
         ASSERT_LT(split.tail, 16);
         ASSERT_GE(split.tail, 0);
         if (split.words > 0) ASSERT_EQ((dst + static_cast<std::uintptr_t>(split.head)) % 16, 0u);
-        ASSERT_EQ(split.shift, static_cast<int>((src + static_cast<std::uintptr_t>(split.head)) % 16));
+        ASSERT_EQ(split.shift,
+                  static_cast<int>((src + static_cast<std::uintptr_t>(split.head)) % 16));
       }
     }
   }
