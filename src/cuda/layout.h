@@ -7,8 +7,10 @@
 // A call builds three int32 tables over the N x E blocks, indexed by a block's
 // position in output order (forward: expert-major, inverse: rank-major):
 // its clamped count, where it begins in the output and where it begins in the
-// input. The build is a sequence of phases, each a function of (thread,
-// threads); the kernels put a barrier between phases, the tests a loop.
+// input (the expert-order side padded to the alignment, from a fourth table
+// of the pad rows before each expert). The build is a sequence of phases,
+// each a function of (thread, threads); the kernels put a barrier between
+// phases, the tests a loop.
 
 #include <cstddef>
 #include <cstdint>
