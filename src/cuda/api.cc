@@ -152,23 +152,14 @@ detail::KernelParams params_for(const TensorView& counts, const Attributes& attr
 void enqueue(detail::KernelParams& p, DType count_dtype, std::int64_t output_rows,
              const DeviceContext& context) {
   const auto stream = static_cast<cudaStream_t>(context.stream);
-  const detail::DeviceLimits& limits = device_limits(stream);
-  const std::int64_t num_ranks = p.layout.num_ranks;
-  const std::int64_t num_experts = p.layout.num_experts;
-  p.tiles = detail::tile_shape(output_rows, p.tokens.row_bytes);
-  detail::LaunchPlan plan;
-  plan.fused = detail::use_fused(num_ranks, num_experts);
-  plan.int64_counts = count_dtype == DType::kInt64;
-  plan.smem_bytes = plan.fused ? detail::fused_smem_bytes(num_ranks, num_experts) : 0;
-  plan.programmatic = limits.programmatic_launch;
-  const int occupancy =
-      plan.fused ? limits.fused_occupancy[plan.int64_counts ? 1 : 0] : limits.move_occupancy;
-  // The most small tasks any counts can ask for: a row each, plus the index.
-  const std::int64_t small =
-      p.index.present ? p.index.output_rows + p.index.input_rows : output_rows;
-  plan.grid =
-      detail::grid_size(p.tiles, output_rows, small,
-                        detail::blocks_per_sm(occupancy, plan.smem_bytes, limits), limits.num_sms);
+  // The most small tasks any counts can ask for (small_tasks in layout.h).
+  const std::int64_t max_small = !p.index.present ? output_rows
+                                 : p.index.gather ? p.index.output_rows
+                                                  : p.index.output_rows + p.index.input_rows;
+  const detail::LaunchPlan plan =
+      detail::plan_launch(p.layout.num_ranks, p.layout.num_experts, count_dtype == DType::kInt64,
+                          output_rows, p.tokens.row_bytes, max_small, device_limits(stream));
+  p.tiles = plan.tiles;
   check_cuda(detail::launch(p, plan, stream), "kernel launch");
 }
 

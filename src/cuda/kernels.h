@@ -40,14 +40,6 @@ struct KernelParams {
   void* workspace = nullptr;  // the two-kernel path: Totals, then the tables
 };
 
-struct LaunchPlan {
-  bool fused = true;
-  bool int64_counts = false;
-  std::int64_t grid = 1;
-  std::size_t smem_bytes = 0;  // dynamic, of the fused kernel
-  bool programmatic = false;   // the move kernel overlaps the tables kernel's tail
-};
-
 /// Occupancy and shared-memory limits of `device` (also raises the fused
 /// kernels' dynamic shared-memory limit there); restores the current device.
 cudaError_t query_limits(int device, DeviceLimits& limits);

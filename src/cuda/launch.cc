@@ -85,5 +85,21 @@ int word_width(const void* src, const void* dst, std::int64_t row_bytes) {
   return width;
 }
 
+LaunchPlan plan_launch(std::int64_t num_ranks, std::int64_t num_experts, bool int64_counts,
+                       std::int64_t output_rows, std::int64_t row_bytes,
+                       std::int64_t max_small_tasks, const DeviceLimits& limits) {
+  LaunchPlan plan;
+  plan.fused = use_fused(num_ranks, num_experts);
+  plan.int64_counts = int64_counts;
+  plan.tiles = tile_shape(output_rows, row_bytes);
+  plan.smem_bytes = plan.fused ? fused_smem_bytes(num_ranks, num_experts) : 0;
+  plan.programmatic = !plan.fused && limits.programmatic_launch;
+  const int occupancy =
+      plan.fused ? limits.fused_occupancy[int64_counts ? 1 : 0] : limits.move_occupancy;
+  plan.grid = grid_size(plan.tiles, output_rows, max_small_tasks,
+                        blocks_per_sm(occupancy, plan.smem_bytes, limits), limits.num_sms);
+  return plan;
+}
+
 }  // namespace detail
 }  // namespace moe_reroute::cuda

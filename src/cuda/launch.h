@@ -49,6 +49,23 @@ std::int64_t grid_size(const TileShape& tiles, std::int64_t output_rows, std::in
 /// row_bytes] move between these two bases allows.
 int word_width(const void* src, const void* dst, std::int64_t row_bytes);
 
+/// How a call is launched.
+struct LaunchPlan {
+  bool fused = true;  // one launch; else the tables kernel, then the move kernel
+  bool int64_counts = false;
+  TileShape tiles;
+  std::int64_t grid = 1;
+  std::size_t smem_bytes = 0;  // dynamic, of the fused kernel
+  bool programmatic = false;   // the move kernel may start during the tables kernel
+  bool operator==(const LaunchPlan& other) const = default;
+};
+
+/// The launch of a call with counts [N, E], output_rows rows of row_bytes
+/// token bytes and at most max_small_tasks small tasks, on a device with `limits`.
+LaunchPlan plan_launch(std::int64_t num_ranks, std::int64_t num_experts, bool int64_counts,
+                       std::int64_t output_rows, std::int64_t row_bytes,
+                       std::int64_t max_small_tasks, const DeviceLimits& limits);
+
 /// Bytes before the tables in the workspace of the two-kernel path: the
 /// Totals the tables kernel leaves for the move kernel.
 inline constexpr std::size_t kTotalsBytes = 32;

@@ -280,6 +280,7 @@ struct TileShape {
   std::int64_t row_bytes = 0;
   std::int64_t tile_bytes = kTileBytes;
   std::int32_t tiles_per_row = 0;
+  bool operator==(const TileShape& other) const = default;
 };
 
 struct TileSpan {

@@ -88,6 +88,30 @@ TEST(CudaLaunch, SmallRowsUseTheWidestAccessEveryRowAllows) {
   EXPECT_EQ(detail::word_width(base, base, 6), 2);
 }
 
+TEST(CudaLaunch, PlansOneLaunchAtDecodeAndTwoPastTheFusedLimit) {
+  const detail::DeviceLimits limits = h200();
+  // Decode, bf16 H = 7168, 16 x 16 blocks: one launch of 224 blocks.
+  const detail::LaunchPlan decode = detail::plan_launch(16, 16, false, 256, 14336, 256, limits);
+  EXPECT_TRUE(decode.fused);
+  EXPECT_FALSE(decode.programmatic);
+  EXPECT_EQ(decode.grid, 224);
+  EXPECT_EQ(decode.smem_bytes, detail::fused_smem_bytes(16, 16));
+  EXPECT_EQ(decode.tiles, detail::tile_shape(256, 14336));
+  // Prefill: every resident block, grid-strided.
+  const detail::LaunchPlan prefill =
+      detail::plan_launch(16, 16, true, 163840, 14336, 163840, limits);
+  EXPECT_TRUE(prefill.int64_counts);
+  EXPECT_EQ(prefill.grid, 4 * 132);
+  // 300 x 400 blocks: the tables kernel, then the move kernel overlapping it.
+  const detail::LaunchPlan split = detail::plan_launch(300, 400, false, 5000, 258, 5000, limits);
+  EXPECT_FALSE(split.fused);
+  EXPECT_TRUE(split.programmatic);
+  EXPECT_EQ(split.smem_bytes, 0u);
+  detail::DeviceLimits a100 = limits;
+  a100.programmatic_launch = false;
+  EXPECT_FALSE(detail::plan_launch(300, 400, false, 5000, 258, 5000, a100).programmatic);
+}
+
 TEST(CudaWorkspace, IsNeededOnlyPastTheFusedLimit) {
   EXPECT_EQ(required_workspace_bytes(1, 1), 0u);
   EXPECT_EQ(required_workspace_bytes(16, 16), 0u);
