@@ -19,9 +19,7 @@ std::string status_message(std::int32_t status) {
   }
   if (status & kStatusCountSumMismatch) {
     message += message.empty() ? "expert_token_num_per_rank: " : "; ";
-    message +=
-        "the counts do not sum to the number of rows of tokens (or, with allow_spare_rows, "
-        "sum past it)";
+    message += "the counts do not sum to the number of rows of tokens";
   }
   if (status & ~(kStatusNegativeCount | kStatusCountSumMismatch)) {
     message += message.empty() ? "" : "; ";

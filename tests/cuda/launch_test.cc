@@ -122,9 +122,7 @@ TEST(CudaWorkspace, IsNeededOnlyPastTheFusedLimit) {
 }
 
 TEST(CudaStatus, MessagesNameTheArgument) {
-  const std::string sum =
-      "the counts do not sum to the number of rows of tokens (or, with allow_spare_rows, sum "
-      "past it)";
+  const std::string sum = "the counts do not sum to the number of rows of tokens";
   EXPECT_EQ(status_message(0), "");
   EXPECT_EQ(status_message(kStatusNegativeCount),
             "expert_token_num_per_rank: some count is negative");
