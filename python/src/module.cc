@@ -1,308 +1,175 @@
-// The nanobind adapter: takes NumPy arrays and torch tensors through DLPack
-// (no copies), checks device, contiguity and dtype, builds core views, runs the
-// core without the GIL and turns moe_reroute::Error into TypeError/ValueError.
-// Built with MOE_REROUTE_HAS_CUDA, it also runs the CUDA backend on device
-// memory (reroute_cuda, inverse_cuda).
+// The nanobind module moe_reroute._core: the dtype table, the core's shape
+// rules (infer_reroute / infer_inverse, which NumPy allocation and the torch
+// fake kernels both use) and the CPU run on NumPy arrays. Errors become
+// TypeError / ValueError / RuntimeError by their kind, naming the argument.
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstdint>
-#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "adapter.h"
 #include "moe_reroute/moe_reroute.h"
-#if MOE_REROUTE_HAS_CUDA
-#include "moe_reroute/cuda.h"
-#endif
 
 namespace nb = nanobind;
 
 namespace moe_reroute {
 namespace {
 
-using Input = nb::ndarray<nb::ro>;
-using Output = nb::ndarray<>;
-using Code = nb::dlpack::dtype_code;
+using adapter::fail;
 
-[[noreturn]] void fail(ErrorCode code, const std::string& message) { throw Error(code, message); }
-
-// Where every array of one call must be: in CPU memory, or on tokens' CUDA device.
-struct Device {
-  int type = nb::device::cpu::value;
-  int id = 0;
+// An argument as the Python layer hands it over: None, or (name, storage
+// dtype name, storage bits, shape, data) where data is a C-contiguous NumPy
+// array of unsigned storage, or None for shape inference alone.
+struct Arg {
+  std::string name;
+  std::string storage;
+  int bits = 0;
+  std::vector<std::int64_t> shape;
+  std::optional<nb::ndarray<nb::ro>> data;
 };
 
-void check_device(int type, int id, const char* arg, const Device& device) {
-  const bool cuda = device.type == nb::device::cuda::value;
-  if (type == device.type && (!cuda || id == device.id)) return;
-  std::string where;
-  if (cuda) {
-    where = "on cuda:" + std::to_string(device.id) + " like tokens";
-  } else if (!MOE_REROUTE_HAS_CUDA) {
-    where = "in CPU memory (this build has only the CPU backend)";
-  } else {
-    where = std::string("in CPU memory") +
-            (arg == std::string("tokens") ? " or on a CUDA device" : " like tokens");
-  }
-  fail(ErrorCode::kInvalidArgument, std::string(arg) + ": must be " + where);
-}
-
-// The array dtypes DLPack carries natively; every other dtype of the table
-// arrives as unsigned-integer storage plus its name.
-struct NativeDType {
-  nb::dlpack::dtype dlpack;
-  DType dtype;
-};
-constexpr NativeDType kNative[] = {
-    {{static_cast<std::uint8_t>(Code::Float), 16, 1}, DType::kFloat16},
-    {{static_cast<std::uint8_t>(Code::Bfloat), 16, 1}, DType::kBFloat16},
-    {{static_cast<std::uint8_t>(Code::Float), 32, 1}, DType::kFloat32},
-    {{static_cast<std::uint8_t>(Code::Int), 8, 1}, DType::kInt8},
-    {{static_cast<std::uint8_t>(Code::UInt), 8, 1}, DType::kUInt8},
-    {{static_cast<std::uint8_t>(Code::Int), 32, 1}, DType::kInt32},
-    {{static_cast<std::uint8_t>(Code::Int), 64, 1}, DType::kInt64},
-};
-
-std::string dlpack_name(nb::dlpack::dtype dtype) {
-  for (const NativeDType& native : kNative) {
-    if (native.dlpack == dtype) return std::string(dtype_name(native.dtype));
-  }
-  const char* kinds[] = {"int", "uint", "float", "opaque", "bfloat", "complex", "bool"};
-  const std::string kind = dtype.code < 7 ? kinds[dtype.code] : "code" + std::to_string(dtype.code);
-  return kind + std::to_string(dtype.bits) +
-         (dtype.lanes != 1 ? "x" + std::to_string(dtype.lanes) : "");
-}
-
-// The core view of `array` (argument `arg`, on `device`). With `logical` (argument
-// `logical_arg`), the array is storage of that dtype: the same dtype, or
-// unsigned integers of the same width, or uint8 holding two FP4 elements per
-// byte (the last dim doubles).
-template <typename Array>
-TensorView view_of(const Array& array, const char* arg, const std::optional<std::string>& logical,
-                   const char* logical_arg, const Device& device) {
-  check_device(array.device_type(), array.device_id(), arg, device);
-  std::vector<std::int64_t> dims(array.ndim());
-  std::int64_t numel = 1;
-  for (std::size_t d = 0; d < dims.size(); ++d) {
-    dims[d] = static_cast<std::int64_t>(array.shape(d));
-    numel *= dims[d];
-  }
-  std::int64_t expected_stride = 1;
-  for (std::size_t d = dims.size(); d-- > 0 && numel > 0;) {
-    if (dims[d] != 1 && array.stride(d) != expected_stride) {
+void check_contiguous(const nb::ndarray<nb::ro>& array, const std::string& name) {
+  std::int64_t expected = 1;
+  for (std::size_t d = array.ndim(); d-- > 0 && array.size() > 0;) {
+    if (array.shape(d) != 1 && array.stride(d) != expected) {
       fail(ErrorCode::kInvalidArgument,
-           std::string(arg) + ": must be contiguous (dense row-major); got strides that are not");
+           name + ": must be contiguous (dense row-major); got strides that are not");
     }
-    expected_stride *= dims[d];
+    expected *= static_cast<std::int64_t>(array.shape(d));
   }
-
-  const nb::dlpack::dtype storage = array.dtype();
-  std::optional<DType> native;
-  for (const NativeDType& candidate : kNative) {
-    if (candidate.dlpack == storage) native = candidate.dtype;
-  }
-  if (!logical) {
-    if (!native) {
-      fail(ErrorCode::kUnsupported,
-           std::string(arg) + ": dtype " + dlpack_name(storage) + " is not supported");
-    }
-    return TensorView(array.data(), *native, Shape(dims));
-  }
-  const std::optional<DType> named = dtype_from_name(*logical);
-  if (!named) {
-    std::string known;
-    for (const DTypeInfo& info : dtype_table())
-      known += (known.empty() ? "" : ", ") + std::string(info.name);
-    fail(ErrorCode::kUnsupported,
-         std::string(logical_arg) + ": unknown dtype '" + *logical + "' (known: " + known + ")");
-  }
-  if (native == named) return TensorView(array.data(), *named, Shape(dims));
-  const int bits = dtype_info(*named).bits;
-  if (storage.code != static_cast<std::uint8_t>(Code::UInt) || storage.lanes != 1) {
-    fail(ErrorCode::kUnsupported, std::string(logical_arg) + ": '" + *logical +
-                                      "' names the dtype of uint8 storage, but " + arg + " is " +
-                                      dlpack_name(storage));
-  }
-  if (storage.bits == 8 && bits == 4 && !dims.empty()) {
-    if (dims.back() > std::numeric_limits<std::int64_t>::max() / 2) {
-      fail(ErrorCode::kOutOfRange, std::string(arg) + ": last dim " + std::to_string(dims.back()) +
-                                       " overflows int64 when read as two FP4 elements a byte");
-    }
-    dims.back() *= 2;
-  } else if (storage.bits != bits) {
-    fail(ErrorCode::kUnsupported,
-         std::string(logical_arg) + ": '" + *logical + "' (" + std::to_string(bits) +
-             " bits) does not fit " + dlpack_name(storage) + " storage of " + arg +
-             " (one byte per FP8/HiF8 element, two FP4 elements per byte)");
-  }
-  return TensorView(array.data(), *named, Shape(dims));
 }
 
-template <typename Array>
-std::optional<TensorView> optional_view(const std::optional<Array>& array, const char* arg,
-                                        const std::optional<std::string>& logical,
-                                        const char* logical_arg, const Device& device) {
-  if (!array) return std::nullopt;
-  return view_of(*array, arg, logical, logical_arg, device);
+std::optional<Arg> arg_of(nb::handle object) {
+  if (object.is_none()) return std::nullopt;
+  const nb::tuple fields = nb::cast<nb::tuple>(object);
+  Arg arg{nb::cast<std::string>(fields[0]), nb::cast<std::string>(fields[1]),
+          nb::cast<int>(fields[2]), nb::cast<std::vector<std::int64_t>>(fields[3]), std::nullopt};
+  if (!fields[4].is_none()) arg.data = nb::cast<nb::ndarray<nb::ro>>(fields[4]);
+  return arg;
 }
 
-// The input views (forward or inverse) of one call, every array on `device`.
-template <typename Inputs>
-Inputs input_views(const Input& tokens, const Input& counts, const std::optional<Input>& scales,
-                   const std::optional<Input>& weight,
-                   const std::optional<std::string>& tokens_dtype,
-                   const std::optional<std::string>& scales_dtype, const Device& device) {
-  return {view_of(tokens, "tokens", tokens_dtype, "tokens_dtype", device),
-          view_of(counts, "expert_token_num_per_rank", std::nullopt, "", device),
-          optional_view(scales, "per_token_scales", scales_dtype, "per_token_scales", device),
-          optional_view(weight, "expert_topk_weight", std::nullopt, "", device)};
+TensorView view(const Arg& arg, const std::optional<std::string>& logical, const char* logical_arg) {
+  if (arg.data) check_contiguous(*arg.data, arg.name);
+  return adapter::core_view(arg.data ? arg.data->data() : nullptr, {arg.storage, arg.bits},
+                            arg.shape, arg.name.c_str(), logical, logical_arg);
 }
 
-// The views of one forward call, every array on `device`.
-struct RerouteViews {
-  RerouteInputs inputs;
-  RerouteOutputs outputs;
-  Attributes attributes;
+// The views of one call's inputs (tokens, counts, scales?, weight?).
+struct Inputs {
+  std::vector<std::optional<Arg>> args;
+  std::optional<std::string> tokens_dtype;
+  std::optional<std::string> scales_dtype;
+
+  Inputs(const nb::sequence& inputs, const std::optional<std::string>& tokens_name) {
+    for (nb::handle item : inputs) args.push_back(arg_of(item));
+    if (args.size() != 4 || !args[0] || !args[1]) {
+      fail(ErrorCode::kInvalidArgument, "inputs: expected (tokens, counts, scales, weight)");
+    }
+    tokens_dtype = tokens_name;
+    if (args[2]) scales_dtype = adapter::scales_dtype({args[2]->storage, args[2]->bits});
+  }
+
+  template <typename CoreInputs>
+  CoreInputs views() const {
+    CoreInputs inputs{view(*args[0], tokens_dtype, "tokens_dtype"),
+                      view(*args[1], std::nullopt, "")};
+    if (args[2]) inputs.per_token_scales = view(*args[2], scales_dtype, "per_token_scales");
+    if (args[3]) inputs.expert_topk_weight = view(*args[3], std::nullopt, "");
+    return inputs;
+  }
 };
 
-RerouteViews reroute_views(const Input& tokens, const Input& counts,
-                           const std::optional<Input>& scales, const std::optional<Input>& weight,
-                           const Output& permute_tokens, const Output& permute_scales,
-                           const Output& permute_token_idx, const Output& expert_token_num,
-                           const Output& permute_weight, int expert_token_num_type, int idx_type,
-                           const std::optional<std::string>& tokens_dtype,
-                           const std::optional<std::string>& scales_dtype, const Device& device) {
-  const std::optional<std::string> out_scales_dtype = scales ? scales_dtype : std::nullopt;
-  return {input_views<RerouteInputs>(tokens, counts, scales, weight, tokens_dtype, scales_dtype,
-                                     device),
-          {view_of(permute_tokens, "permute_tokens", tokens_dtype, "permute_tokens", device),
-           view_of(permute_scales, "permute_per_token_scales", out_scales_dtype,
-                   "permute_per_token_scales", device),
-           view_of(permute_token_idx, "permute_token_idx", std::nullopt, "", device),
-           view_of(expert_token_num, "expert_token_num", std::nullopt, "", device),
-           view_of(permute_weight, "permute_topk_weight", std::nullopt, "", device)},
-          {expert_token_num_type, idx_type}};
+Attributes attributes_of(int expert_token_num_type, int idx_type, std::int64_t expert_alignment,
+                         bool allow_spare_rows) {
+  return {expert_token_num_type, idx_type, expert_alignment, allow_spare_rows};
 }
 
-// The views of one inverse call, every array on `device`.
-struct InverseViews {
-  InverseInputs inputs;
-  InverseOutputs outputs;
-};
-
-InverseViews inverse_views(const Input& tokens, const Input& counts,
-                           const std::optional<Input>& scales, const std::optional<Input>& weight,
-                           const Output& restored_tokens,
-                           const std::optional<Output>& restored_scales,
-                           const std::optional<Output>& restored_weight,
-                           const std::optional<std::string>& tokens_dtype,
-                           const std::optional<std::string>& scales_dtype, const Device& device) {
-  return {input_views<InverseInputs>(tokens, counts, scales, weight, tokens_dtype, scales_dtype,
-                                     device),
-          {view_of(restored_tokens, "restored_tokens", tokens_dtype, "restored_tokens", device),
-           optional_view(restored_scales, "restored_per_token_scales", scales_dtype,
-                         "restored_per_token_scales", device),
-           optional_view(restored_weight, "restored_topk_weight", std::nullopt, "", device)}};
-}
-
-void reroute(const Input& tokens, const Input& counts, const std::optional<Input>& scales,
-             const std::optional<Input>& weight, const Output& permute_tokens,
-             const Output& permute_scales, const Output& permute_token_idx,
-             const Output& expert_token_num, const Output& permute_weight,
-             int expert_token_num_type, int idx_type,
-             const std::optional<std::string>& tokens_dtype,
-             const std::optional<std::string>& scales_dtype, int num_threads) {
-  const RerouteViews views =
-      reroute_views(tokens, counts, scales, weight, permute_tokens, permute_scales,
-                    permute_token_idx, expert_token_num, permute_weight, expert_token_num_type,
-                    idx_type, tokens_dtype, scales_dtype, Device{});
-  nb::gil_scoped_release release;
-  moe_re_routing(views.inputs, views.outputs, views.attributes, num_threads);
-}
-
-void inverse(const Input& tokens, const Input& counts, const std::optional<Input>& scales,
-             const std::optional<Input>& weight, const Output& restored_tokens,
-             const std::optional<Output>& restored_scales,
-             const std::optional<Output>& restored_weight,
-             const std::optional<std::string>& tokens_dtype,
-             const std::optional<std::string>& scales_dtype, int num_threads) {
-  const InverseViews views =
-      inverse_views(tokens, counts, scales, weight, restored_tokens, restored_scales,
-                    restored_weight, tokens_dtype, scales_dtype, Device{});
-  nb::gil_scoped_release release;
-  moe_re_routing_inverse(views.inputs, views.outputs, {}, num_threads);
-}
-
-#if MOE_REROUTE_HAS_CUDA
-// The scratch tensor of a CUDA call: the int32 status word, padded to 8
-// bytes, then the workspace.
-constexpr std::size_t kStatusBytes = 8;
-
-std::size_t scratch_bytes(std::int64_t num_ranks, std::int64_t num_experts) {
-  return kStatusBytes + cuda::required_workspace_bytes(num_ranks, num_experts);
-}
-
-// tokens' CUDA device (tokens must be on one).
-Device cuda_device(const Input& tokens) {
-  if (tokens.device_type() != nb::device::cuda::value) {
-    fail(ErrorCode::kInvalidArgument, "tokens: must be on a CUDA device for the CUDA backend");
+// (dtype name, shape) of each output spec.
+nb::list specs_list(std::initializer_list<TensorSpec> specs) {
+  nb::list list;
+  for (const TensorSpec& spec : specs) {
+    list.append(nb::make_tuple(std::string(dtype_name(spec.dtype)),
+                               std::vector<std::int64_t>(spec.shape.dims.begin(),
+                                                         spec.shape.dims.begin() + spec.shape.ndim)));
   }
-  return {nb::device::cuda::value, tokens.device_id()};
+  return list;
 }
 
-// The context of a call on `stream` with `scratch` (int32, on `device`).
-cuda::DeviceContext cuda_context(std::uintptr_t stream, const Output& scratch,
-                                 const Device& device) {
-  check_device(scratch.device_type(), scratch.device_id(), "scratch", device);
-  if (scratch.dtype() != nb::dtype<std::int32_t>() || scratch.ndim() != 1 ||
-      scratch.nbytes() < kStatusBytes) {
-    fail(ErrorCode::kInvalidArgument, "scratch: must be a 1-D int32 tensor of at least " +
-                                          std::to_string(kStatusBytes) + " bytes");
+nb::list infer_forward(const nb::sequence& inputs, const std::optional<std::string>& tokens_dtype,
+                       int expert_token_num_type, int idx_type, std::int64_t expert_alignment,
+                       bool allow_spare_rows) {
+  const Inputs call(inputs, tokens_dtype);
+  const RerouteOutputSpecs specs =
+      infer_reroute(call.views<RerouteInputs>(),
+                    attributes_of(expert_token_num_type, idx_type, expert_alignment,
+                                  allow_spare_rows));
+  return specs_list({specs.permute_tokens, specs.permute_per_token_scales,
+                     specs.permute_token_idx, specs.expert_token_num, specs.permute_topk_weight});
+}
+
+nb::list infer_backward(const nb::sequence& inputs, const std::optional<std::string>& tokens_dtype,
+                        std::int64_t expert_alignment, bool allow_spare_rows) {
+  const Inputs call(inputs, tokens_dtype);
+  const InverseOutputSpecs specs = infer_inverse(
+      call.views<InverseInputs>(),
+      attributes_of(kExpertTokenNumCount, kIdxGather, expert_alignment, allow_spare_rows));
+  const TensorSpec absent = adapter::absent_spec();
+  return specs_list({specs.restored_tokens, specs.restored_per_token_scales.value_or(absent),
+                     specs.restored_topk_weight.value_or(absent)});
+}
+
+std::vector<std::optional<Arg>> outputs_of(const nb::sequence& outputs, std::size_t count) {
+  std::vector<std::optional<Arg>> args;
+  for (nb::handle item : outputs) args.push_back(arg_of(item));
+  if (args.size() != count) {
+    fail(ErrorCode::kInvalidArgument, "out: expected " + std::to_string(count) + " outputs");
   }
-  auto* status = static_cast<std::int32_t*>(scratch.data());
-  return {reinterpret_cast<void*>(stream), status,
-          reinterpret_cast<std::byte*>(status) + kStatusBytes, scratch.nbytes() - kStatusBytes};
+  return args;
 }
 
-void reroute_cuda(const Input& tokens, const Input& counts, const std::optional<Input>& scales,
-                  const std::optional<Input>& weight, const Output& permute_tokens,
-                  const Output& permute_scales, const Output& permute_token_idx,
-                  const Output& expert_token_num, const Output& permute_weight,
-                  int expert_token_num_type, int idx_type,
-                  const std::optional<std::string>& tokens_dtype,
-                  const std::optional<std::string>& scales_dtype, std::uintptr_t stream,
-                  const Output& scratch) {
-  const Device device = cuda_device(tokens);
-  const RerouteViews views =
-      reroute_views(tokens, counts, scales, weight, permute_tokens, permute_scales,
-                    permute_token_idx, expert_token_num, permute_weight, expert_token_num_type,
-                    idx_type, tokens_dtype, scales_dtype, device);
-  const cuda::DeviceContext context = cuda_context(stream, scratch, device);
+void run_forward(const nb::sequence& inputs, const nb::sequence& outputs,
+                 const std::optional<std::string>& tokens_dtype, int expert_token_num_type,
+                 int idx_type, std::int64_t expert_alignment, bool allow_spare_rows,
+                 int num_threads) {
+  const Inputs call(inputs, tokens_dtype);
+  const std::vector<std::optional<Arg>> out = outputs_of(outputs, 5);
+  const std::optional<std::string> out_scales = call.args[2] ? call.scales_dtype : std::nullopt;
+  const RerouteInputs views = call.views<RerouteInputs>();
+  const RerouteOutputs out_views{view(*out[0], tokens_dtype, "permute_tokens"),
+                                 view(*out[1], out_scales, "permute_per_token_scales"),
+                                 view(*out[2], std::nullopt, ""), view(*out[3], std::nullopt, ""),
+                                 view(*out[4], std::nullopt, "")};
   nb::gil_scoped_release release;
-  cuda::moe_re_routing(views.inputs, views.outputs, views.attributes, context);
+  moe_re_routing(views, out_views,
+                 attributes_of(expert_token_num_type, idx_type, expert_alignment, allow_spare_rows),
+                 num_threads);
 }
 
-void inverse_cuda(const Input& tokens, const Input& counts, const std::optional<Input>& scales,
-                  const std::optional<Input>& weight, const Output& restored_tokens,
-                  const std::optional<Output>& restored_scales,
-                  const std::optional<Output>& restored_weight,
-                  const std::optional<std::string>& tokens_dtype,
-                  const std::optional<std::string>& scales_dtype, std::uintptr_t stream,
-                  const Output& scratch) {
-  const Device device = cuda_device(tokens);
-  const InverseViews views =
-      inverse_views(tokens, counts, scales, weight, restored_tokens, restored_scales,
-                    restored_weight, tokens_dtype, scales_dtype, device);
-  const cuda::DeviceContext context = cuda_context(stream, scratch, device);
+void run_backward(const nb::sequence& inputs, const nb::sequence& outputs,
+                  const std::optional<std::string>& tokens_dtype, std::int64_t expert_alignment,
+                  bool allow_spare_rows, int num_threads) {
+  const Inputs call(inputs, tokens_dtype);
+  const std::vector<std::optional<Arg>> out = outputs_of(outputs, 3);
+  const InverseInputs views = call.views<InverseInputs>();
+  InverseOutputs out_views{view(*out[0], tokens_dtype, "restored_tokens")};
+  if (call.args[2]) {
+    out_views.restored_per_token_scales =
+        view(*out[1], call.scales_dtype, "restored_per_token_scales");
+  }
+  if (call.args[3]) out_views.restored_topk_weight = view(*out[2], std::nullopt, "");
   nb::gil_scoped_release release;
-  cuda::moe_re_routing_inverse(views.inputs, views.outputs, {}, context);
+  moe_re_routing_inverse(
+      views, out_views,
+      attributes_of(kExpertTokenNumCount, kIdxGather, expert_alignment, allow_spare_rows),
+      num_threads);
 }
-#endif
 
 nb::list table() {
   nb::list rows;
@@ -332,51 +199,31 @@ NB_MODULE(_core, m) {
     try {
       std::rethrow_exception(pointer);
     } catch (const Error& error) {
-      PyErr_SetString(error.code() == ErrorCode::kUnsupported ? PyExc_TypeError : PyExc_ValueError,
-                      error.what());
+      PyObject* type = PyExc_RuntimeError;
+      if (error.code() == ErrorCode::kUnsupported) type = PyExc_TypeError;
+      if (error.code() == ErrorCode::kInvalidArgument || error.code() == ErrorCode::kOutOfRange)
+        type = PyExc_ValueError;
+      PyErr_SetString(type, error.what());
     }
   });
 
-  m.def("reroute", &reroute, nb::arg("tokens"), nb::arg("expert_token_num_per_rank"),
-        nb::arg("per_token_scales").none(), nb::arg("expert_topk_weight").none(),
-        nb::arg("permute_tokens"), nb::arg("permute_per_token_scales"),
-        nb::arg("permute_token_idx"), nb::arg("expert_token_num"), nb::arg("permute_topk_weight"),
-        nb::arg("expert_token_num_type"), nb::arg("idx_type"), nb::arg("tokens_dtype").none(),
-        nb::arg("scales_dtype").none(), nb::arg("num_threads") = 0,
-        "Runs the forward into the given outputs. Arrays: CPU, contiguous, any DLPack "
-        "producer; a *_dtype name reads unsigned storage as that dtype. Raises TypeError "
-        "(dtype) or ValueError (shape, value) naming the argument; writes nothing then.");
-  m.def("inverse", &inverse, nb::arg("tokens"), nb::arg("expert_token_num_per_rank"),
-        nb::arg("per_token_scales").none(), nb::arg("expert_topk_weight").none(),
-        nb::arg("restored_tokens"), nb::arg("restored_per_token_scales").none(),
-        nb::arg("restored_topk_weight").none(), nb::arg("tokens_dtype").none(),
-        nb::arg("scales_dtype").none(), nb::arg("num_threads") = 0,
-        "Runs the inverse (expert order back to rank order) into the given outputs; "
-        "arguments and errors as for reroute.");
-  m.attr("has_cuda") = static_cast<bool>(MOE_REROUTE_HAS_CUDA);
-#if MOE_REROUTE_HAS_CUDA
-  m.def("reroute_cuda", &reroute_cuda, nb::arg("tokens"), nb::arg("expert_token_num_per_rank"),
-        nb::arg("per_token_scales").none(), nb::arg("expert_topk_weight").none(),
-        nb::arg("permute_tokens"), nb::arg("permute_per_token_scales"),
-        nb::arg("permute_token_idx"), nb::arg("expert_token_num"), nb::arg("permute_topk_weight"),
-        nb::arg("expert_token_num_type"), nb::arg("idx_type"), nb::arg("tokens_dtype").none(),
-        nb::arg("scales_dtype").none(), nb::arg("stream"), nb::arg("scratch"),
-        "Enqueues the forward on `stream` (a cudaStream_t as an integer) for arrays on tokens' "
-        "CUDA device. `scratch`: int32 on that device, cuda_scratch_bytes(N, E) bytes; its "
-        "first element becomes the status word (0: fine, else see cuda_status_message). "
-        "Never synchronises. Raises as reroute, before enqueueing anything.");
-  m.def("inverse_cuda", &inverse_cuda, nb::arg("tokens"), nb::arg("expert_token_num_per_rank"),
-        nb::arg("per_token_scales").none(), nb::arg("expert_topk_weight").none(),
-        nb::arg("restored_tokens"), nb::arg("restored_per_token_scales").none(),
-        nb::arg("restored_topk_weight").none(), nb::arg("tokens_dtype").none(),
-        nb::arg("scales_dtype").none(), nb::arg("stream"), nb::arg("scratch"),
-        "Enqueues the inverse on `stream`; arguments as reroute_cuda.");
-  m.def("cuda_scratch_bytes", &scratch_bytes, nb::arg("num_ranks"), nb::arg("num_experts"),
-        "Bytes of the scratch tensor of a CUDA call with [N, E] counts: the status word "
-        "(padded to 8 bytes) and the workspace.");
-  m.def("cuda_status_message", &cuda::status_message, nb::arg("status"),
-        "The message for a non-zero status word, naming the argument; \"\" for 0.");
-#endif
+  // Each argument: None or (name, storage dtype name, storage bits, shape, array or None).
+  m.def("infer_reroute", &infer_forward, nb::arg("inputs"), nb::kw_only(),
+        nb::arg("tokens_dtype").none(), nb::arg("expert_token_num_type"), nb::arg("idx_type"),
+        nb::arg("expert_alignment"), nb::arg("allow_spare_rows"),
+        "The five output specs [(dtype name, logical shape)] of the forward for inputs "
+        "(tokens, counts, scales, weight); the core's infer_reroute.");
+  m.def("infer_inverse", &infer_backward, nb::arg("inputs"), nb::kw_only(),
+        nb::arg("tokens_dtype").none(), nb::arg("expert_alignment"), nb::arg("allow_spare_rows"),
+        "The three output specs of the inverse (an absent output: float32 (0,)).");
+  m.def("reroute", &run_forward, nb::arg("inputs"), nb::arg("outputs"), nb::kw_only(),
+        nb::arg("tokens_dtype").none(), nb::arg("expert_token_num_type"), nb::arg("idx_type"),
+        nb::arg("expert_alignment"), nb::arg("allow_spare_rows"), nb::arg("num_threads") = 0,
+        "Runs the forward on the CPU into the five outputs; writes nothing when it raises.");
+  m.def("inverse", &run_backward, nb::arg("inputs"), nb::arg("outputs"), nb::kw_only(),
+        nb::arg("tokens_dtype").none(), nb::arg("expert_alignment"), nb::arg("allow_spare_rows"),
+        nb::arg("num_threads") = 0,
+        "Runs the inverse on the CPU into the three outputs (absent ones are ignored).");
   m.def("dtype_table", &table,
         "The dtype table: one dict per dtype (name, bits, npy_storage, torch_name and "
         "the token / scale / count roles).");

@@ -1,0 +1,63 @@
+"""NumPy arrays (ml_dtypes ones included) to the C++ core: each array goes as
+unsigned storage of its width plus its dtype's name, which the core's table
+reads; outputs are allocated from the core's specs."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _bridge, _core
+
+INPUT_NAMES = ("tokens", "expert_token_num_per_rank", "per_token_scales", "expert_topk_weight")
+FORWARD_OUTPUT_NAMES = ("permute_tokens", "permute_per_token_scales", "permute_token_idx",
+                        "expert_token_num", "permute_topk_weight")
+INVERSE_OUTPUT_NAMES = ("restored_tokens", "restored_per_token_scales", "restored_topk_weight")
+
+
+def describe(array, name: str):
+    """(name, storage dtype name, bits, shape, unsigned storage) of an ndarray."""
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"{name}: expected a numpy.ndarray or torch.Tensor, "
+                        f"got {type(array).__name__}")
+    itemsize = array.dtype.itemsize
+    if itemsize not in (1, 2, 4, 8) or array.dtype.hasobject:
+        raise TypeError(f"{name}: dtype {array.dtype.name} is not supported")
+    return (name, array.dtype.name, 8 * itemsize, array.shape, array.view(f"u{itemsize}"))
+
+
+def inputs(arrays) -> list:
+    """The described inputs, copied to C order where they are not."""
+    return [None if a is None else describe(np.ascontiguousarray(a), name)
+            for a, name in zip(arrays, INPUT_NAMES)]
+
+
+def allocate(specs, arrays, pairs) -> list:
+    """Empty outputs for the core's specs: stored like their paired input, or
+    in the spec's own dtype."""
+    outputs = []
+    for i, (dtype_name, shape) in enumerate(specs):
+        source = arrays[pairs[i]] if i in pairs else None
+        if source is not None:
+            outputs.append(np.empty(_bridge.stored_like(shape, source.shape), source.dtype))
+        else:
+            outputs.append(np.empty(shape, np.dtype(_bridge.row(dtype_name)["npy_storage"])))
+    return outputs
+
+
+def reroute(arrays, tokens_dtype, attributes, out):
+    described = inputs(arrays)
+    if out is None:
+        specs = _core.infer_reroute(described, tokens_dtype=tokens_dtype, **attributes)
+        out = allocate(specs, arrays, _bridge.FORWARD_PAIRS)
+    _core.reroute(described, [describe(o, n) for o, n in zip(out, FORWARD_OUTPUT_NAMES)],
+                  tokens_dtype=tokens_dtype, **attributes)
+    return tuple(out)
+
+
+def inverse(arrays, tokens_dtype, attributes):
+    described = inputs(arrays)
+    specs = _core.infer_inverse(described, tokens_dtype=tokens_dtype, **attributes)
+    out = allocate(specs, arrays, _bridge.INVERSE_PAIRS)
+    _core.inverse(described, [describe(o, n) for o, n in zip(out, INVERSE_OUTPUT_NAMES)],
+                  tokens_dtype=tokens_dtype, **attributes)
+    return tuple(out)

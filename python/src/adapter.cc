@@ -1,0 +1,87 @@
+#include "adapter.h"
+
+#include <limits>
+
+namespace moe_reroute::adapter {
+namespace {
+
+// The table row a framework names `storage` by (its SPEC or torch name).
+std::optional<DType> native_dtype(Storage storage) {
+  for (const DTypeInfo& info : dtype_table()) {
+    if (info.name == storage.name || (!info.torch_name.empty() && info.torch_name == storage.name))
+      return info.dtype;
+  }
+  return std::nullopt;
+}
+
+// The logical dims of `dims` stored as `storage_bits`-wide elements of `bits`
+// each (a byte holding two FP4 elements doubles the last dim).
+std::vector<std::int64_t> logical_dims(std::span<const std::int64_t> dims, int storage_bits,
+                                       int bits, const char* arg) {
+  std::vector<std::int64_t> logical(dims.begin(), dims.end());
+  if (storage_bits == 2 * bits && !logical.empty()) {
+    if (logical.back() > std::numeric_limits<std::int64_t>::max() / 2) {
+      fail(ErrorCode::kOutOfRange, std::string(arg) + ": last dim " +
+                                       std::to_string(logical.back()) +
+                                       " overflows int64 when read as two FP4 elements a byte");
+    }
+    logical.back() *= 2;
+  }
+  return logical;
+}
+
+}  // namespace
+
+void fail(ErrorCode code, const std::string& message) { throw Error(code, message); }
+
+TensorView core_view(const void* data, Storage storage, std::span<const std::int64_t> dims,
+                     const char* arg, const std::optional<std::string>& logical,
+                     const char* logical_arg) {
+  const std::optional<DType> native = native_dtype(storage);
+  if (!logical) {
+    if (!native) {
+      fail(ErrorCode::kUnsupported,
+           std::string(arg) + ": dtype " + std::string(storage.name) + " is not supported");
+    }
+    const int bits = dtype_info(*native).bits;
+    return TensorView(data, *native, Shape(logical_dims(dims, storage.bits, bits, arg)));
+  }
+  const std::optional<DType> named = dtype_from_name(*logical);
+  if (!named) {
+    std::string known;
+    for (const DTypeInfo& info : dtype_table())
+      known += (known.empty() ? "" : ", ") + std::string(info.name);
+    fail(ErrorCode::kUnsupported,
+         std::string(logical_arg) + ": unknown dtype '" + *logical + "' (known: " + known + ")");
+  }
+  const int bits = dtype_info(*named).bits;
+  if (native == named) {
+    return TensorView(data, *named, Shape(logical_dims(dims, storage.bits, bits, arg)));
+  }
+  if (!storage.name.starts_with("uint")) {
+    fail(ErrorCode::kUnsupported, std::string(logical_arg) + ": '" + *logical +
+                                      "' names the dtype of unsigned storage, but " + arg +
+                                      " is " + std::string(storage.name));
+  }
+  if (storage.bits != bits && !(storage.bits == 8 && bits == 4)) {
+    fail(ErrorCode::kUnsupported,
+         std::string(logical_arg) + ": '" + *logical + "' (" + std::to_string(bits) +
+             " bits) does not fit " + std::string(storage.name) + " storage of " + arg +
+             " (elements of the same width, or two FP4 elements per uint8)");
+  }
+  return TensorView(data, *named, Shape(logical_dims(dims, storage.bits, bits, arg)));
+}
+
+std::vector<std::int64_t> stored_like(const TensorSpec& spec,
+                                      std::span<const std::int64_t> input_dims) {
+  std::vector<std::int64_t> dims(input_dims.begin(), input_dims.end());
+  if (!dims.empty()) dims[0] = spec.shape.ndim > 0 ? spec.shape[0] : 0;
+  return dims;
+}
+
+std::optional<std::string> scales_dtype(Storage scales) {
+  if (scales.name == "uint8") return std::string(dtype_name(DType::kFloat8E8M0));
+  return std::nullopt;
+}
+
+}  // namespace moe_reroute::adapter

@@ -1,0 +1,632 @@
+// The torch operators moe_reroute::moe_re_routing, moe_re_routing_out and
+// moe_re_routing_inverse: schemas, one kernel per op for CPU and CUDA tensors
+// that calls the core directly, the autograd kernels, and the per-device CUDA
+// status word. The fake kernels are Python (moe_reroute/_torch.py) calling the
+// core's infer_reroute / infer_inverse. Why the regular (not the stable) C++
+// API: docs/torch.md.
+
+#include <ATen/DeviceAccelerator.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/DeviceGuard.h>
+#include <sys/mman.h>
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <vector>
+
+#include "adapter.h"
+#include "moe_reroute/moe_reroute.h"
+#if MOE_REROUTE_HAS_CUDA
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+
+#include "moe_reroute/cuda.h"
+
+// The current CUDA stream from torch's C shim (libtorch_cuda), which declares
+// it only when torch's own build defines USE_CUDA.
+extern "C" AOTITorchError aoti_torch_get_current_cuda_stream(std::int32_t device_index,
+                                                             void** ret_stream);
+#endif
+
+namespace moe_reroute::torch_ops {
+namespace {
+
+using adapter::fail;
+using at::Tensor;
+using OptionalTensor = std::optional<Tensor>;
+using OptionalName = std::optional<c10::string_view>;
+using Forward = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
+using Inverse = std::tuple<Tensor, Tensor, Tensor>;
+
+// torch's dtypes by the names of its Python API (torch.bfloat16: "bfloat16"),
+// which the core's dtype table uses; which of them the operator takes is the
+// table's business.
+struct TorchDType {
+  c10::ScalarType type;
+  std::string_view name;
+};
+constexpr TorchDType kTorchDTypes[] = {
+    {c10::kHalf, "float16"},        {c10::kBFloat16, "bfloat16"},
+    {c10::kFloat, "float32"},       {c10::kDouble, "float64"},
+    {c10::kChar, "int8"},           {c10::kShort, "int16"},
+    {c10::kInt, "int32"},           {c10::kLong, "int64"},
+    {c10::kByte, "uint8"},          {c10::kUInt16, "uint16"},
+    {c10::kUInt32, "uint32"},       {c10::kUInt64, "uint64"},
+    {c10::kBool, "bool"},           {c10::kFloat8_e5m2, "float8_e5m2"},
+    {c10::kFloat8_e4m3fn, "float8_e4m3fn"}, {c10::kFloat8_e8m0fnu, "float8_e8m0fnu"},
+    {c10::kFloat4_e2m1fn_x2, "float4_e2m1fn_x2"},
+};
+
+adapter::Storage storage(const Tensor& tensor) {
+  const c10::ScalarType type = tensor.scalar_type();
+  const int bits = static_cast<int>(c10::elementSize(type)) * 8;
+  for (const TorchDType& dtype : kTorchDTypes) {
+    if (dtype.type == type) return {dtype.name, bits};
+  }
+  return {c10::toString(type), bits};
+}
+
+// The torch dtype of an output the core specifies by its own dtype.
+c10::ScalarType torch_dtype(DType dtype) {
+  for (const TorchDType& candidate : kTorchDTypes) {
+    if (candidate.name == dtype_info(dtype).torch_name) return candidate.type;
+  }
+  fail(ErrorCode::kUnsupported,
+       std::string("dtype ") + std::string(dtype_name(dtype)) + " has no torch dtype");
+}
+
+// Python's exception by the error's kind: TypeError, ValueError, RuntimeError.
+[[noreturn]] void raise(const Error& error) {
+  const c10::SourceLocation where{__func__, __FILE__, static_cast<std::uint32_t>(__LINE__)};
+  switch (error.code()) {
+    case ErrorCode::kUnsupported:
+      throw c10::TypeError(where, error.what());
+    case ErrorCode::kInvalidArgument:
+    case ErrorCode::kOutOfRange:
+      throw c10::ValueError(where, error.what());
+    case ErrorCode::kBackend:
+      break;
+  }
+  throw c10::Error(where, error.what());
+}
+
+template <typename Body>
+auto translated(Body body) {
+  try {
+    return body();
+  } catch (const Error& error) {
+    raise(error);
+  }
+}
+
+std::optional<std::string> name_of(const OptionalName& name) {
+  if (!name) return std::nullopt;
+  return std::string(*name);
+}
+
+void check_device(const Tensor& tensor, const char* arg, const c10::Device& device) {
+  if (tensor.device() == device) return;
+  fail(ErrorCode::kInvalidArgument,
+       std::string(arg) + ": must be " +
+           (device.is_cuda() ? "on " + device.str() + " like tokens"
+                             : std::string("in CPU memory like tokens")));
+}
+
+// The device of a call: tokens', where the build has its backend.
+c10::Device call_device(const Tensor& tokens) {
+  if (tokens.is_cpu() || (tokens.is_cuda() && MOE_REROUTE_HAS_CUDA)) return tokens.device();
+  fail(ErrorCode::kInvalidArgument,
+       std::string("tokens: must be in CPU memory") +
+           (MOE_REROUTE_HAS_CUDA ? " or on a CUDA device"
+                                 : " (this build has only the CPU backend)"));
+}
+
+// The core view of `tensor` (argument `arg`) on `device`, read as `logical` when named.
+TensorView view(const Tensor& tensor, const char* arg, const std::optional<std::string>& logical,
+                const char* logical_arg, const c10::Device& device) {
+  check_device(tensor, arg, device);
+  if (!tensor.is_contiguous()) {
+    fail(ErrorCode::kInvalidArgument,
+         std::string(arg) + ": must be contiguous (dense row-major); got strides that are not");
+  }
+  const c10::IntArrayRef sizes = tensor.sizes();
+  return adapter::core_view(tensor.data_ptr(), storage(tensor), {sizes.data(), sizes.size()}, arg,
+                            logical, logical_arg);
+}
+
+// NumPy's rule for fresh memory: arrays of 4 MiB and more get transparent huge
+// pages (madvise mode), so that first touch faults 2 MiB at a time. Advice only.
+void advise_huge_pages(const Tensor& tensor) {
+  constexpr std::uintptr_t kHugePage = std::uintptr_t{2} << 20;
+  const auto nbytes = static_cast<std::uintptr_t>(tensor.nbytes());
+  if (nbytes < 2 * kHugePage) return;
+  const auto start = reinterpret_cast<std::uintptr_t>(tensor.data_ptr());
+  const std::uintptr_t begin = (start + kHugePage - 1) & ~(kHugePage - 1);
+  const std::uintptr_t end = (start + nbytes) & ~(kHugePage - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+}
+
+Tensor empty(c10::IntArrayRef dims, c10::ScalarType type, const c10::Device& device) {
+  Tensor tensor = at::empty(dims, at::TensorOptions().dtype(type).device(device));
+  if (device.is_cpu()) advise_huge_pages(tensor);
+  return tensor;
+}
+
+// An output with `spec`'s rows stored like `input`, or, without an input, with
+// `spec` itself in its torch dtype.
+Tensor allocate(const TensorSpec& spec, const OptionalTensor& input, const c10::Device& device) {
+  if (input) {
+    return empty(adapter::stored_like(spec, input->sizes()), input->scalar_type(), device);
+  }
+  return empty(c10::IntArrayRef(spec.shape.dims.data(), spec.shape.ndim), torch_dtype(spec.dtype),
+               device);
+}
+
+// One call's inputs, contiguous (copied where they are not), and their views.
+struct Call {
+  c10::Device device;
+  Tensor tokens;
+  Tensor counts;
+  OptionalTensor scales;
+  OptionalTensor weight;
+  std::optional<std::string> tokens_dtype;
+  std::optional<std::string> scales_dtype;
+
+  Call(const Tensor& tokens_in, const Tensor& counts_in, const OptionalTensor& scales_in,
+       const OptionalTensor& weight_in, const OptionalName& tokens_name)
+      : device(call_device(tokens_in)),
+        tokens(tokens_in.contiguous()),
+        counts(counts_in.contiguous()),
+        tokens_dtype(name_of(tokens_name)) {
+    if (scales_in) {
+      scales = scales_in->contiguous();
+      scales_dtype = adapter::scales_dtype(storage(*scales));
+    }
+    if (weight_in) weight = weight_in->contiguous();
+  }
+
+  template <typename Inputs>
+  Inputs inputs() const {
+    Inputs inputs{view(tokens, "tokens", tokens_dtype, "tokens_dtype", device),
+                  view(counts, "expert_token_num_per_rank", std::nullopt, "", device)};
+    if (scales) {
+      inputs.per_token_scales =
+          view(*scales, "per_token_scales", scales_dtype, "per_token_scales", device);
+    }
+    if (weight) inputs.expert_topk_weight = view(*weight, "expert_topk_weight", std::nullopt, "", device);
+    return inputs;
+  }
+
+  TensorView output(const Tensor& tensor, const char* arg, const std::optional<std::string>& logical) const {
+    return view(tensor, arg, logical, arg, device);
+  }
+  TensorView output(const Tensor& tensor, const char* arg) const {
+    return view(tensor, arg, std::nullopt, arg, device);
+  }
+  // The dtype name the scales outputs are read as: the scales' own, or none.
+  std::optional<std::string> out_scales_dtype() const { return scales ? scales_dtype : std::nullopt; }
+};
+
+std::int64_t dim_or_zero(const Tensor& tensor, std::int64_t d) {
+  return tensor.dim() > d ? tensor.size(d) : 0;
+}
+
+#if MOE_REROUTE_HAS_CUDA
+// The status word of each CUDA device: sticky (kernels OR their bits in), read
+// and cleared only by cuda_check or, in "sync" mode, after every call.
+std::mutex status_mutex;
+std::vector<Tensor> status_words;
+std::atomic<bool> sync_mode{false};
+
+Tensor status_word(const c10::Device& device) {
+  std::lock_guard<std::mutex> lock(status_mutex);
+  const auto index = static_cast<std::size_t>(device.index());
+  if (status_words.size() <= index) status_words.resize(index + 1);
+  if (!status_words[index].defined()) {
+    status_words[index] = at::zeros({2}, at::TensorOptions().dtype(c10::kInt).device(device));
+  }
+  return status_words[index];
+}
+
+// Reads the status word (one host sync), clears it and throws for bad counts.
+void check_status(const Tensor& word) {
+  const std::int32_t status = word[0].item<std::int32_t>();
+  if (status == 0) return;
+  word.zero_();
+  fail(ErrorCode::kInvalidArgument, cuda::status_message(status));
+}
+
+// Runs `launch(context)` on the current stream of `call`'s device with a
+// workspace from the caching allocator (graph-capturable: no host sync).
+template <typename Launch>
+void run_cuda(const Call& call, Launch launch) {
+  const c10::DeviceGuard guard(call.device);
+  const std::size_t bytes = cuda::required_workspace_bytes(dim_or_zero(call.counts, 0),
+                                                           dim_or_zero(call.counts, 1));
+  const Tensor workspace = at::empty({static_cast<std::int64_t>(bytes)},
+                                     at::TensorOptions().dtype(c10::kByte).device(call.device));
+  const Tensor word = status_word(call.device);
+  void* stream = nullptr;
+  if (aoti_torch_get_current_cuda_stream(call.device.index(), &stream) != AOTI_TORCH_SUCCESS) {
+    fail(ErrorCode::kBackend, "tokens: cannot get the current CUDA stream of " + call.device.str());
+  }
+  launch(cuda::DeviceContext{stream, word.data_ptr<std::int32_t>(), workspace.data_ptr(), bytes});
+  if (sync_mode.load(std::memory_order_relaxed)) check_status(word);
+}
+#endif
+
+void run(const Call& call, const RerouteInputs& inputs, const RerouteOutputs& outputs,
+         const Attributes& attributes) {
+#if MOE_REROUTE_HAS_CUDA
+  if (call.device.is_cuda()) {
+    run_cuda(call, [&](const cuda::DeviceContext& context) {
+      cuda::moe_re_routing(inputs, outputs, attributes, context);
+    });
+    return;
+  }
+#endif
+  moe_re_routing(inputs, outputs, attributes);
+}
+
+void run(const Call& call, const InverseInputs& inputs, const InverseOutputs& outputs,
+         const Attributes& attributes) {
+#if MOE_REROUTE_HAS_CUDA
+  if (call.device.is_cuda()) {
+    run_cuda(call, [&](const cuda::DeviceContext& context) {
+      cuda::moe_re_routing_inverse(inputs, outputs, attributes, context);
+    });
+    return;
+  }
+#endif
+  moe_re_routing_inverse(inputs, outputs, attributes);
+}
+
+Attributes attributes_of(std::int64_t expert_token_num_type, std::int64_t idx_type,
+                         std::int64_t expert_alignment, bool allow_spare_rows) {
+  return {static_cast<int>(expert_token_num_type), static_cast<int>(idx_type), expert_alignment,
+          allow_spare_rows};
+}
+
+RerouteOutputs reroute_outputs(const Call& call, const Tensor& tokens, const Tensor& scales,
+                               const Tensor& idx, const Tensor& num, const Tensor& weight) {
+  return {call.output(tokens, "permute_tokens", call.tokens_dtype),
+          call.output(scales, "permute_per_token_scales", call.out_scales_dtype()),
+          call.output(idx, "permute_token_idx"), call.output(num, "expert_token_num"),
+          call.output(weight, "permute_topk_weight")};
+}
+
+Forward reroute(const Tensor& tokens, const Tensor& counts, const OptionalTensor& scales,
+                const OptionalTensor& weight, std::int64_t expert_token_num_type,
+                std::int64_t idx_type, OptionalName tokens_dtype, std::int64_t expert_alignment,
+                bool allow_spare_rows) {
+  return translated([&] {
+    const Call call(tokens, counts, scales, weight, tokens_dtype);
+    const RerouteInputs inputs = call.inputs<RerouteInputs>();
+    const Attributes attributes =
+        attributes_of(expert_token_num_type, idx_type, expert_alignment, allow_spare_rows);
+    const RerouteOutputSpecs specs = infer_reroute(inputs, attributes);
+    Forward outputs{allocate(specs.permute_tokens, call.tokens, call.device),
+                    allocate(specs.permute_per_token_scales, call.scales, call.device),
+                    allocate(specs.permute_token_idx, std::nullopt, call.device),
+                    allocate(specs.expert_token_num, std::nullopt, call.device),
+                    allocate(specs.permute_topk_weight, call.weight, call.device)};
+    auto& [out_tokens, out_scales, out_idx, out_num, out_weight] = outputs;
+    run(call, inputs, reroute_outputs(call, out_tokens, out_scales, out_idx, out_num, out_weight),
+        attributes);
+    return outputs;
+  });
+}
+
+void reroute_out(const Tensor& tokens, const Tensor& counts, const Tensor& permute_tokens,
+                 const Tensor& permute_per_token_scales, const Tensor& permute_token_idx,
+                 const Tensor& expert_token_num, const Tensor& permute_topk_weight,
+                 const OptionalTensor& scales, const OptionalTensor& weight,
+                 std::int64_t expert_token_num_type, std::int64_t idx_type,
+                 OptionalName tokens_dtype, std::int64_t expert_alignment, bool allow_spare_rows) {
+  translated([&] {
+    const Call call(tokens, counts, scales, weight, tokens_dtype);
+    run(call, call.inputs<RerouteInputs>(),
+        reroute_outputs(call, permute_tokens, permute_per_token_scales, permute_token_idx,
+                        expert_token_num, permute_topk_weight),
+        attributes_of(expert_token_num_type, idx_type, expert_alignment, allow_spare_rows));
+  });
+}
+
+Inverse inverse(const Tensor& tokens, const Tensor& counts, const OptionalTensor& scales,
+                const OptionalTensor& weight, OptionalName tokens_dtype,
+                std::int64_t expert_alignment, bool allow_spare_rows) {
+  return translated([&] {
+    const Call call(tokens, counts, scales, weight, tokens_dtype);
+    const InverseInputs inputs = call.inputs<InverseInputs>();
+    const Attributes attributes = attributes_of(kExpertTokenNumCount, kIdxGather,
+                                                expert_alignment, allow_spare_rows);
+    const InverseOutputSpecs specs = infer_inverse(inputs, attributes);
+    const TensorSpec absent = adapter::absent_spec();
+    Inverse outputs{allocate(specs.restored_tokens, call.tokens, call.device),
+                    allocate(specs.restored_per_token_scales.value_or(absent), call.scales,
+                             call.device),
+                    allocate(specs.restored_topk_weight.value_or(absent), call.weight, call.device)};
+    auto& [out_tokens, out_scales, out_weight] = outputs;
+    InverseOutputs views{call.output(out_tokens, "restored_tokens", call.tokens_dtype)};
+    if (call.scales) {
+      views.restored_per_token_scales =
+          call.output(out_scales, "restored_per_token_scales", call.out_scales_dtype());
+    }
+    if (call.weight) views.restored_topk_weight = call.output(out_weight, "restored_topk_weight");
+    run(call, inputs, views, attributes);
+    return outputs;
+  });
+}
+
+// ---- autograd ----
+
+c10::TypedOperatorHandle<decltype(reroute)> forward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("moe_reroute::moe_re_routing", "")
+                             .typed<decltype(reroute)>();
+  return op;
+}
+
+c10::TypedOperatorHandle<decltype(inverse)> inverse_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("moe_reroute::moe_re_routing_inverse", "")
+                             .typed<decltype(inverse)>();
+  return op;
+}
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+bool requires_grad(const Tensor& tokens, const OptionalTensor& scales, const OptionalTensor& weight) {
+  return at::GradMode::is_enabled() &&
+         (tokens.requires_grad() || (scales && scales->requires_grad()) ||
+          (weight && weight->requires_grad()));
+}
+
+// Zeroes rows [valid, rows) of `gradient`: rows the op never read (the
+// forward's spare input rows, the inverse's tail input rows) get no gradient.
+void zero_unread_rows(Tensor& gradient, const Tensor& valid) {
+  const Tensor rows = at::arange(gradient.size(0), gradient.options().dtype(c10::kLong));
+  std::vector<std::int64_t> shape(static_cast<std::size_t>(gradient.dim()), 1);
+  shape[0] = gradient.size(0);
+  gradient.masked_fill_(rows.ge(valid).view(shape), 0);
+}
+
+void save(AutogradContext* ctx, const Tensor& counts, const OptionalTensor& scales,
+          const OptionalTensor& weight, const OptionalName& tokens_dtype,
+          std::int64_t expert_alignment, bool allow_spare_rows) {
+  ctx->save_for_backward({counts});
+  ctx->saved_data["has_scales"] = scales.has_value();
+  ctx->saved_data["has_weight"] = weight.has_value();
+  ctx->saved_data["tokens_dtype"] = name_of(tokens_dtype);
+  ctx->saved_data["expert_alignment"] = expert_alignment;
+  ctx->saved_data["allow_spare_rows"] = allow_spare_rows;
+}
+
+struct Saved {
+  Tensor counts;
+  bool has_scales;
+  bool has_weight;
+  std::optional<std::string> tokens_dtype;
+  std::int64_t expert_alignment;
+  bool allow_spare_rows;
+
+  explicit Saved(AutogradContext* ctx)
+      : counts(ctx->get_saved_variables()[0]),
+        has_scales(ctx->saved_data["has_scales"].toBool()),
+        has_weight(ctx->saved_data["has_weight"].toBool()),
+        tokens_dtype(ctx->saved_data["tokens_dtype"].toOptional<std::string>()),
+        expert_alignment(ctx->saved_data["expert_alignment"].toInt()),
+        allow_spare_rows(ctx->saved_data["allow_spare_rows"].toBool()) {}
+
+  OptionalTensor scales(const Tensor& gradient) const {
+    return has_scales ? OptionalTensor(gradient.contiguous()) : std::nullopt;
+  }
+  OptionalTensor weight(const Tensor& gradient) const {
+    return has_weight ? OptionalTensor(gradient.contiguous()) : std::nullopt;
+  }
+  OptionalName name() const {
+    return tokens_dtype ? OptionalName(*tokens_dtype) : std::nullopt;
+  }
+  Tensor when_scales(const Tensor& gradient) const { return has_scales ? gradient : Tensor(); }
+  Tensor when_weight(const Tensor& gradient) const { return has_weight ? gradient : Tensor(); }
+};
+
+// The forward's backward is the inverse reorder of the incoming gradients.
+struct RerouteFunction : torch::autograd::Function<RerouteFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& tokens, const Tensor& counts,
+                               const OptionalTensor& scales, const OptionalTensor& weight,
+                               std::int64_t expert_token_num_type, std::int64_t idx_type,
+                               OptionalName tokens_dtype, std::int64_t expert_alignment,
+                               bool allow_spare_rows) {
+    save(ctx, counts, scales, weight, tokens_dtype, expert_alignment, allow_spare_rows);
+    auto [out_tokens, out_scales, idx, num, out_weight] =
+        forward_op().call(tokens, counts, scales, weight, expert_token_num_type, idx_type,
+                          tokens_dtype, expert_alignment, allow_spare_rows);
+    ctx->mark_non_differentiable({idx, num});
+    return {out_tokens, out_scales, idx, num, out_weight};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Saved saved(ctx);
+    auto [tokens, scales, weight] =
+        inverse_op().call(grads[0].contiguous(), saved.counts, saved.scales(grads[1]),
+                          saved.weight(grads[4]), saved.name(), saved.expert_alignment,
+                          saved.allow_spare_rows);
+    if (saved.allow_spare_rows) {
+      const Tensor valid = saved.counts.sum();
+      for (Tensor* gradient : {&tokens, &scales, &weight}) {
+        if (gradient->dim() > 0 && gradient->size(0) == tokens.size(0)) zero_unread_rows(*gradient, valid);
+      }
+    }
+    return {tokens,   Tensor(), saved.when_scales(scales), saved.when_weight(weight),
+            Tensor(), Tensor(), Tensor(),                  Tensor(),
+            Tensor()};
+  }
+};
+
+// The inverse's backward is the forward reorder of the incoming gradients.
+struct InverseFunction : torch::autograd::Function<InverseFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& tokens, const Tensor& counts,
+                               const OptionalTensor& scales, const OptionalTensor& weight,
+                               OptionalName tokens_dtype, std::int64_t expert_alignment,
+                               bool allow_spare_rows) {
+    save(ctx, counts, scales, weight, tokens_dtype, expert_alignment, allow_spare_rows);
+    auto [out_tokens, out_scales, out_weight] = inverse_op().call(
+        tokens, counts, scales, weight, tokens_dtype, expert_alignment, allow_spare_rows);
+    return {out_tokens, out_scales, out_weight};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const Saved saved(ctx);
+    auto [tokens, scales, idx, cumsum, weight] = forward_op().call(
+        grads[0].contiguous(), saved.counts, saved.scales(grads[1]), saved.weight(grads[2]),
+        kExpertTokenNumCumsum, kIdxGather, saved.name(), saved.expert_alignment,
+        saved.allow_spare_rows);
+    if (saved.expert_alignment > 1 && cumsum.numel() > 0) {
+      // Rows past the last padded segment end (the tail) were never read.
+      const Tensor valid = cumsum[-1];
+      for (Tensor* gradient : {&tokens, &scales, &weight}) {
+        if (gradient->dim() > 0 && gradient->size(0) == tokens.size(0)) zero_unread_rows(*gradient, valid);
+      }
+    }
+    return {tokens, Tensor(), saved.when_scales(scales), saved.when_weight(weight),
+            Tensor(), Tensor(), Tensor()};
+  }
+};
+
+// The autograd kernels: with no gradient to track they call the kernel below
+// the autograd layer at once, so an eager no-grad call costs no more than the kernel.
+Forward reroute_autograd(const Tensor& tokens, const Tensor& counts, const OptionalTensor& scales,
+                         const OptionalTensor& weight, std::int64_t expert_token_num_type,
+                         std::int64_t idx_type, OptionalName tokens_dtype,
+                         std::int64_t expert_alignment, bool allow_spare_rows) {
+  if (!requires_grad(tokens, scales, weight)) {
+    const at::AutoDispatchBelowADInplaceOrView guard;
+    return forward_op().call(tokens, counts, scales, weight, expert_token_num_type, idx_type,
+                             tokens_dtype, expert_alignment, allow_spare_rows);
+  }
+  const variable_list outputs =
+      RerouteFunction::apply(tokens, counts, scales, weight, expert_token_num_type, idx_type,
+                             tokens_dtype, expert_alignment, allow_spare_rows);
+  return {outputs[0], outputs[1], outputs[2], outputs[3], outputs[4]};
+}
+
+Inverse inverse_autograd(const Tensor& tokens, const Tensor& counts, const OptionalTensor& scales,
+                         const OptionalTensor& weight, OptionalName tokens_dtype,
+                         std::int64_t expert_alignment, bool allow_spare_rows) {
+  if (!requires_grad(tokens, scales, weight)) {
+    const at::AutoDispatchBelowADInplaceOrView guard;
+    return inverse_op().call(tokens, counts, scales, weight, tokens_dtype, expert_alignment,
+                             allow_spare_rows);
+  }
+  const variable_list outputs = InverseFunction::apply(tokens, counts, scales, weight,
+                                                       tokens_dtype, expert_alignment,
+                                                       allow_spare_rows);
+  return {outputs[0], outputs[1], outputs[2]};
+}
+
+// ---- the CUDA status word from Python ----
+
+/// Reads and clears every device's status word (one host sync each) and
+/// raises ValueError naming the argument when bad counts were seen since the
+/// last check.
+void cuda_check() {
+#if MOE_REROUTE_HAS_CUDA
+  translated([] {
+    std::vector<Tensor> words;
+    {
+      std::lock_guard<std::mutex> lock(status_mutex);
+      words = status_words;
+    }
+    for (const Tensor& word : words) {
+      if (word.defined()) check_status(word);
+    }
+  });
+#endif
+}
+
+/// Sets the CUDA status check ("deferred" or "sync") and returns the previous one.
+std::string set_cuda_status_check(c10::string_view mode) {
+  return translated([&] {
+    if (mode != "deferred" && mode != "sync") {
+      fail(ErrorCode::kInvalidArgument,
+           "mode: must be \"deferred\" or \"sync\"; got \"" + std::string(mode) + "\"");
+    }
+#if MOE_REROUTE_HAS_CUDA
+    return std::string(sync_mode.exchange(mode == "sync") ? "sync" : "deferred");
+#else
+    return std::string("deferred");
+#endif
+  });
+}
+
+constexpr const char* kAttributes =
+    "Tensor? per_token_scales=None, Tensor? expert_topk_weight=None, "
+    "int expert_token_num_type=1, int idx_type=0, str? tokens_dtype=None, "
+    "int expert_alignment=1, bool allow_spare_rows=False";
+
+// `head`, the attributes, then `tail`: a whole schema.
+std::string schema(const char* head, const char* tail) {
+  return std::string(head) + kAttributes + tail;
+}
+
+}  // namespace
+}  // namespace moe_reroute::torch_ops
+
+namespace ops = moe_reroute::torch_ops;
+
+TORCH_LIBRARY(moe_reroute, m) {
+  m.set_python_module("moe_reroute._torch");
+  const std::vector<at::Tag> tags = {at::Tag::pt2_compliant_tag};
+  m.def(ops::schema("moe_re_routing(Tensor tokens, Tensor expert_token_num_per_rank, ",
+                    ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+            .c_str(),
+        tags);
+  m.def(ops::schema("moe_re_routing_out(Tensor tokens, Tensor expert_token_num_per_rank, "
+               "Tensor(a!) permute_tokens, Tensor(b!) permute_per_token_scales, "
+               "Tensor(c!) permute_token_idx, Tensor(d!) expert_token_num, "
+               "Tensor(e!) permute_topk_weight, ",
+               ") -> ()")
+            .c_str(),
+        tags);
+  m.def(
+      "moe_re_routing_inverse(Tensor tokens, Tensor expert_token_num_per_rank, "
+      "Tensor? per_token_scales=None, Tensor? expert_topk_weight=None, str? tokens_dtype=None, "
+      "int expert_alignment=1, bool allow_spare_rows=False) -> (Tensor, Tensor, Tensor)",
+      tags);
+  m.def("cuda_check() -> ()", &ops::cuda_check);
+  m.def("set_cuda_status_check(str mode) -> str", &ops::set_cuda_status_check);
+}
+
+TORCH_LIBRARY_IMPL(moe_reroute, CPU, m) {
+  m.impl("moe_re_routing", &ops::reroute);
+  m.impl("moe_re_routing_out", &ops::reroute_out);
+  m.impl("moe_re_routing_inverse", &ops::inverse);
+}
+
+TORCH_LIBRARY_IMPL(moe_reroute, CUDA, m) {
+  m.impl("moe_re_routing", &ops::reroute);
+  m.impl("moe_re_routing_out", &ops::reroute_out);
+  m.impl("moe_re_routing_inverse", &ops::inverse);
+}
+
+TORCH_LIBRARY_IMPL(moe_reroute, Autograd, m) {
+  m.impl("moe_re_routing", &ops::reroute_autograd);
+  m.impl("moe_re_routing_inverse", &ops::inverse_autograd);
+  m.impl("moe_re_routing_out", torch::autograd::autogradNotImplementedFallback());
+}
+
+TORCH_LIBRARY_IMPL(moe_reroute, ADInplaceOrView, m) {
+  m.impl("moe_re_routing_out", torch::autograd::autogradNotImplementedInplaceOrViewFallback());
+}
