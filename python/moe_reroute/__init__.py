@@ -81,8 +81,8 @@ def moe_re_routing(tokens, expert_token_num_per_rank, *, per_token_scales=None,
         args = (per_token_scales, expert_topk_weight, expert_token_num_type, idx_type,
                 tokens_dtype, expert_alignment, allow_spare_rows)
         if out is None:
-            return _torch.OPS.moe_re_routing.default(tokens, expert_token_num_per_rank, *args)
-        _torch.OPS.moe_re_routing_out.default(tokens, expert_token_num_per_rank, *out, *args)
+            return _torch.FORWARD(tokens, expert_token_num_per_rank, *args)
+        _torch.FORWARD_OUT(tokens, expert_token_num_per_rank, *out, *args)
         return tuple(out)
     return _numpy.reroute(
         (tokens, expert_token_num_per_rank, per_token_scales, expert_topk_weight), tokens_dtype,
@@ -100,7 +100,7 @@ def moe_re_routing_inverse(tokens, expert_token_num_per_rank, *, per_token_scale
     ``moe_re_routing``; tokens may have any table dtype.
     """
     if _is_torch(tokens):
-        return _torch.OPS.moe_re_routing_inverse.default(
+        return _torch.INVERSE(
             tokens, expert_token_num_per_rank, per_token_scales, expert_topk_weight,
             tokens_dtype, expert_alignment, allow_spare_rows)
     return _numpy.inverse(

@@ -14,11 +14,16 @@ FORWARD_OUTPUT_NAMES = ("permute_tokens", "permute_per_token_scales", "permute_t
 INVERSE_OUTPUT_NAMES = ("restored_tokens", "restored_per_token_scales", "restored_topk_weight")
 
 
-def describe(array, name: str):
-    """(name, storage dtype name, bits, shape, unsigned storage) of an ndarray."""
+def check_array(array, name: str):
     if not isinstance(array, np.ndarray):
         raise TypeError(f"{name}: expected a numpy.ndarray or torch.Tensor, "
                         f"got {type(array).__name__}")
+    return array
+
+
+def describe(array, name: str):
+    """(name, storage dtype name, bits, shape, unsigned storage) of an ndarray."""
+    check_array(array, name)
     itemsize = array.dtype.itemsize
     if itemsize not in (1, 2, 4, 8) or array.dtype.hasobject:
         raise TypeError(f"{name}: dtype {array.dtype.name} is not supported")
@@ -27,8 +32,18 @@ def describe(array, name: str):
 
 def inputs(arrays) -> list:
     """The described inputs, copied to C order where they are not."""
-    return [None if a is None else describe(np.ascontiguousarray(a), name)
+    return [None if a is None else describe(np.ascontiguousarray(check_array(a, name)), name)
             for a, name in zip(arrays, INPUT_NAMES)]
+
+
+def outputs(arrays, names) -> list:
+    """The described outputs, each writable."""
+    described = []
+    for array, name in zip(arrays, names):
+        if not check_array(array, name).flags.writeable:
+            raise ValueError(f"{name}: is read-only")
+        described.append(describe(array, name))
+    return described
 
 
 def allocate(specs, arrays, pairs) -> list:
@@ -49,7 +64,7 @@ def reroute(arrays, tokens_dtype, attributes, out):
     if out is None:
         specs = _core.infer_reroute(described, tokens_dtype=tokens_dtype, **attributes)
         out = allocate(specs, arrays, _bridge.FORWARD_PAIRS)
-    _core.reroute(described, [describe(o, n) for o, n in zip(out, FORWARD_OUTPUT_NAMES)],
+    _core.reroute(described, outputs(out, FORWARD_OUTPUT_NAMES),
                   tokens_dtype=tokens_dtype, **attributes)
     return tuple(out)
 
@@ -58,6 +73,6 @@ def inverse(arrays, tokens_dtype, attributes):
     described = inputs(arrays)
     specs = _core.infer_inverse(described, tokens_dtype=tokens_dtype, **attributes)
     out = allocate(specs, arrays, _bridge.INVERSE_PAIRS)
-    _core.inverse(described, [describe(o, n) for o, n in zip(out, INVERSE_OUTPUT_NAMES)],
+    _core.inverse(described, outputs(out, INVERSE_OUTPUT_NAMES),
                   tokens_dtype=tokens_dtype, **attributes)
     return tuple(out)

@@ -17,6 +17,9 @@ from . import _bridge, _core
 
 torch.ops.load_library(pathlib.Path(__file__).with_name("_torch_ops.so"))
 OPS = torch.ops.moe_reroute
+FORWARD = OPS.moe_re_routing.default
+FORWARD_OUT = OPS.moe_re_routing_out.default
+INVERSE = OPS.moe_re_routing_inverse.default
 
 INPUT_NAMES = ("tokens", "expert_token_num_per_rank", "per_token_scales", "expert_topk_weight")
 

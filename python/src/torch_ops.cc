@@ -13,7 +13,6 @@
 #include <c10/core/DeviceGuard.h>
 #include <sys/mman.h>
 #include <torch/autograd.h>
-#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -536,6 +535,34 @@ Inverse inverse_autograd(const Tensor& tokens, const Tensor& counts, const Optio
   return {outputs[0], outputs[1], outputs[2]};
 }
 
+c10::TypedOperatorHandle<decltype(reroute_out)> out_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("moe_reroute::moe_re_routing_out", "")
+                             .typed<decltype(reroute_out)>();
+  return op;
+}
+
+// The out= op's ADInplaceOrView kernel: bumps the five outputs' version
+// counters, as every in-place op does, so that autograd sees the writes.
+void reroute_out_inplace(const Tensor& tokens, const Tensor& counts, const Tensor& permute_tokens,
+                         const Tensor& permute_per_token_scales, const Tensor& permute_token_idx,
+                         const Tensor& expert_token_num, const Tensor& permute_topk_weight,
+                         const OptionalTensor& scales, const OptionalTensor& weight,
+                         std::int64_t expert_token_num_type, std::int64_t idx_type,
+                         OptionalName tokens_dtype, std::int64_t expert_alignment,
+                         bool allow_spare_rows) {
+  {
+    const at::AutoDispatchBelowADInplaceOrView guard;
+    out_op().call(tokens, counts, permute_tokens, permute_per_token_scales, permute_token_idx,
+                  expert_token_num, permute_topk_weight, scales, weight, expert_token_num_type,
+                  idx_type, tokens_dtype, expert_alignment, allow_spare_rows);
+  }
+  for (const Tensor* output : {&permute_tokens, &permute_per_token_scales, &permute_token_idx,
+                               &expert_token_num, &permute_topk_weight}) {
+    torch::autograd::impl::bump_version(*output);
+  }
+}
+
 // ---- the CUDA status word from Python ----
 
 /// Reads and clears every device's status word (one host sync each) and
@@ -624,9 +651,10 @@ TORCH_LIBRARY_IMPL(moe_reroute, CUDA, m) {
 TORCH_LIBRARY_IMPL(moe_reroute, Autograd, m) {
   m.impl("moe_re_routing", &ops::reroute_autograd);
   m.impl("moe_re_routing_inverse", &ops::inverse_autograd);
-  m.impl("moe_re_routing_out", torch::autograd::autogradNotImplementedFallback());
+  // No autograd through out=: straight on to the version bump below.
+  m.impl("moe_re_routing_out", torch::CppFunction::makeFallthrough());
 }
 
 TORCH_LIBRARY_IMPL(moe_reroute, ADInplaceOrView, m) {
-  m.impl("moe_re_routing_out", torch::autograd::autogradNotImplementedInplaceOrViewFallback());
+  m.impl("moe_re_routing_out", &ops::reroute_out_inplace);
 }

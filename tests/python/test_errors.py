@@ -57,7 +57,7 @@ BAD_INPUTS = [
     ("tokens_dtype unknown", dict(tokens=np.ones((A, 4), np.uint8), tokens_dtype="fp8"),
      TypeError, "tokens_dtype: unknown dtype 'fp8'"),
     ("tokens_dtype on float16", dict(tokens_dtype="hifloat8"), TypeError,
-     "tokens_dtype: 'hifloat8' names the dtype of uint8 storage, but tokens is float16"),
+     "tokens_dtype: 'hifloat8' names the dtype of unsigned storage, but tokens is float16"),
     ("tokens_dtype too wide", dict(tokens=np.ones((A, 4), np.uint8), tokens_dtype="bfloat16"),
      TypeError, "tokens_dtype: 'bfloat16' .16 bits. does not fit uint8 storage of tokens"),
 ]
@@ -138,7 +138,7 @@ def test_read_only_numpy_out_is_refused():
     arguments = good()
     outputs = poisoned_outputs("numpy")
     outputs[0].flags.writeable = False
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match="permute_tokens: is read-only"):
         moe_reroute.moe_re_routing(arguments.pop("tokens"),
                                    arguments.pop("expert_token_num_per_rank"), **arguments,
                                    out=outputs)
@@ -157,7 +157,7 @@ def test_unpacked_fp4_numpy_is_refused():
 
 def test_fp8_tensor_with_other_tokens_dtype_is_refused():
     tokens = torch.ones(A, 4).to(torch.float8_e4m3fn)
-    with pytest.raises(TypeError, match="tokens_dtype: 'hifloat8' names the dtype of uint8 "
+    with pytest.raises(TypeError, match="tokens_dtype: 'hifloat8' names the dtype of unsigned "
                                         "storage, but tokens is float8_e4m3fn"):
         moe_reroute.moe_re_routing(tokens, torch.from_numpy(COUNTS), tokens_dtype="hifloat8")
 
