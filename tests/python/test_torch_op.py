@@ -1,17 +1,24 @@
-"""The torch custom operators: opcheck, torch.compile (fullgraph, dynamic),
-torch.export with save/load, the out= form and autograd."""
+"""The torch operators: opcheck, FakeTensorMode / compile / export refusing
+what eager refuses, torch.compile (fullgraph, dynamic), torch.export with
+save/load, AOTInductor packages, the out= form and autograd, every result
+checked against the naive reference."""
 
 from __future__ import annotations
 
+import functools
 import io
 import operator
+import sys
 
 import numpy as np
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moe_reroute
 import reference
+from cases import byte_rows, needs_static_shapes
+from test_errors import BAD_INPUTS, as_torch, good
 
 OPS = torch.ops.moe_reroute
 
@@ -35,11 +42,34 @@ def workload(num_tokens, seed=0, tokens_dtype=torch.float16, hidden=8, requires_
     return tokens, counts, scales, weight
 
 
-def assert_bitwise_equal(actual, expected):
-    assert len(actual) == len(expected)
-    for a, e in zip(actual, expected):
-        assert a.dtype == e.dtype and a.shape == e.shape
-        assert torch.equal(a.detach().view(torch.uint8), e.detach().view(torch.uint8))
+def rows(tensor) -> np.ndarray:
+    return byte_rows(tensor.detach())
+
+
+def check_forward(outputs, tokens, counts, scales, weight, **attributes):
+    """Each forward output byte for byte as the reference (tail rows aside)."""
+    expected = reference.reroute(rows(tokens), counts.numpy(),
+                                 None if scales is None else rows(scales),
+                                 None if weight is None else rows(weight), **attributes)
+    valid = reference.valid_rows(counts.numpy(), attributes.get("expert_alignment", 1))
+    for i in (0, 1, 4):
+        if i == 4 and weight is None:
+            assert tuple(outputs[4].shape) == (0,)
+            continue
+        np.testing.assert_array_equal(rows(outputs[i])[:valid], expected[i][:valid])
+    np.testing.assert_array_equal(outputs[2].numpy(), expected[2])
+    np.testing.assert_array_equal(outputs[3].numpy(), expected[3])
+
+
+def check_inverse(restored, tokens, counts, scales, weight):
+    expected = reference.inverse(rows(tokens), counts.numpy(),
+                                 None if scales is None else rows(scales),
+                                 None if weight is None else rows(weight))
+    for output, want in zip(restored, expected):
+        if want is None:
+            assert output.dtype == torch.float32 and tuple(output.shape) == (0,)
+        else:
+            np.testing.assert_array_equal(rows(output), want)
 
 
 def opcheck_samples():
@@ -57,92 +87,181 @@ def opcheck_samples():
     ]
 
 
+INVERSE_KEYS = ("per_token_scales", "expert_topk_weight", "tokens_dtype")
+
+
 @pytest.mark.parametrize("sample", range(4))
 def test_opcheck_forward_and_inverse(sample):
     args, kwargs = opcheck_samples()[sample]
     torch.library.opcheck(OPS.moe_re_routing.default, args, kwargs)
-    inverse_kwargs = {k: v for k, v in kwargs.items() if k in
-                      ("per_token_scales", "expert_topk_weight", "tokens_dtype")}
+    inverse_kwargs = {k: v for k, v in kwargs.items() if k in INVERSE_KEYS}
     torch.library.opcheck(OPS.moe_re_routing_inverse.default, args, inverse_kwargs)
 
 
 def test_opcheck_out():
     tokens, counts, scales, weight = workload(40, seed=3)
-    out = [torch.empty_like(t) for t in moe_reroute.moe_re_routing(
-        tokens, counts, per_token_scales=scales, expert_topk_weight=weight)]
+    out = [torch.empty_like(t) for t in OPS.moe_re_routing(tokens, counts, scales, weight)]
     torch.library.opcheck(OPS.moe_re_routing_out.default, (tokens, counts, *out),
                           dict(per_token_scales=scales, expert_topk_weight=weight))
 
 
-def test_fake_kernels_infer_spec_shapes():
-    from torch._subclasses.fake_tensor import FakeTensorMode
+def test_fake_kernels_infer_the_core_specs():
     with FakeTensorMode():
         tokens = torch.empty(36, 385, dtype=torch.float16)
         counts = torch.empty(3, 12, dtype=torch.int64)
         scales = torch.empty(36, 1)
         weight = torch.empty(36, 1)
-        outputs = OPS.moe_re_routing(tokens, counts, scales, weight)
+        outputs = OPS.moe_re_routing(tokens, counts, scales, weight, idx_type=1)
         absent = OPS.moe_re_routing(tokens, counts)
         restored = OPS.moe_re_routing_inverse(tokens, counts, expert_topk_weight=weight)
+        fp4 = OPS.moe_re_routing(torch.empty(36, 8, dtype=torch.uint8), counts,
+                                 tokens_dtype="float4_e2m1")
     assert [tuple(o.shape) for o in outputs] == [(36, 385), (36, 1), (36,), (12,), (36, 1)]
     assert [o.dtype for o in outputs] == [torch.float16, torch.float32, torch.int32,
                                           torch.int64, torch.float32]
     assert [tuple(o.shape) for o in absent[1::3]] == [(36,), (0,)]
     assert [tuple(o.shape) for o in restored] == [(36, 385), (0,), (36, 1)]
+    assert (fp4[0].dtype, tuple(fp4[0].shape)) == (torch.uint8, (36, 8))
+
+
+# Errors decided from shapes and dtypes alone (the others read the counts).
+DATA_FREE = [b for b in BAD_INPUTS if not b[0].startswith("counts ")
+             or b[0] in ("counts 1-D", "counts float")]
+
+
+def eager_error(arguments):
+    tokens = arguments.pop("tokens")
+    counts = arguments.pop("expert_token_num_per_rank")
+    with pytest.raises(Exception) as caught:
+        OPS.moe_re_routing(tokens, counts, **arguments)
+    return caught.value
+
+
+@pytest.mark.parametrize(("label", "changes", "error", "message"), DATA_FREE,
+                         ids=[b[0] for b in DATA_FREE])
+def test_fake_compile_and_export_refuse_as_eager(label, changes, error, message):
+    arguments = as_torch(good() | changes)
+    eager = eager_error(dict(arguments))
+    assert type(eager) is error
+
+    with FakeTensorMode() as mode:
+        fake = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
+                for k, v in arguments.items()}
+        with pytest.raises(error) as caught:
+            OPS.moe_re_routing(fake.pop("tokens"), fake.pop("expert_token_num_per_rank"), **fake)
+    assert str(caught.value) == str(eager)
+
+    tensors = {k: v for k, v in arguments.items() if isinstance(v, torch.Tensor)}
+    others = {k: v for k, v in arguments.items() if not isinstance(v, torch.Tensor)}
+
+    class Call(torch.nn.Module):
+        def forward(self, **inputs):
+            return OPS.moe_re_routing(inputs.pop("tokens"),
+                                      inputs.pop("expert_token_num_per_rank"), **inputs, **others)
+
+    with pytest.raises(error) as caught:
+        torch.export.export(Call(), (), tensors)
+    assert str(caught.value) == str(eager)
+
+    # Dynamo reports a fake kernel's exception as TorchRuntimeError quoting it.
+    torch._dynamo.reset()
+    compiled = torch.compile(Call(), fullgraph=True)
+    with pytest.raises(Exception) as caught:
+        compiled(**tensors)
+    assert f"{error.__name__}({str(eager)!r})" in str(caught.value)
 
 
 def routed(tokens, counts, scales, weight):
     outputs = moe_reroute.moe_re_routing(tokens, counts, per_token_scales=scales,
                                          expert_topk_weight=weight, idx_type=1)
-    restored = moe_reroute.moe_re_routing_inverse(outputs[0], counts, expert_topk_weight=outputs[4])
-    return (*outputs, restored[0], restored[2])
+    restored = moe_reroute.moe_re_routing_inverse(outputs[0], counts,
+                                                  expert_topk_weight=outputs[4])
+    return outputs, restored
 
 
-def test_compile_fullgraph_dynamic_is_bitwise_eager():
+def check_routed(result, tokens, counts, scales, weight):
+    outputs, restored = result
+    check_forward(outputs, tokens, counts, scales, weight, idx_type=1)
+    check_inverse(restored, outputs[0], counts, None, outputs[4])
+
+
+def test_compile_fullgraph_dynamic_matches_the_reference():
     torch._dynamo.reset()
     compiled = torch.compile(routed, fullgraph=True, dynamic=True)
     for num_tokens in (17, 64, 200):
-        inputs = workload(num_tokens, seed=num_tokens)
-        assert_bitwise_equal(compiled(*inputs), routed(*inputs))
+        inputs = workload(num_tokens, seed=num_tokens, num_ranks_experts=(2, 3 + num_tokens % 5))
+        check_routed(compiled(*inputs), *inputs)
 
 
 class Routed(torch.nn.Module):
     def forward(self, tokens, counts, scales, weight):
-        return moe_reroute.moe_re_routing(tokens, counts, per_token_scales=scales,
-                                          expert_topk_weight=weight)
+        return routed(tokens, counts, scales, weight)
 
 
-def test_export_save_load_is_one_node_and_bitwise_eager():
-    inputs = workload(48, seed=4, num_ranks_experts=(4, 3))
-    tokens_rows = torch.export.Dim("A", min=1)
-    program = torch.export.export(
+def exported(num_ranks_experts=(4, 3)):
+    inputs = workload(48, seed=4, num_ranks_experts=num_ranks_experts)
+    tokens_rows = torch.export.Dim("A", min=2)
+    return torch.export.export(
         Routed(), inputs,
         dynamic_shapes=({0: tokens_rows}, None, {0: tokens_rows}, {0: tokens_rows}))
-    calls = [n for n in program.graph.nodes
-             if n.op == "call_function" and n.target is not operator.getitem]
-    assert [n.target for n in calls] == [OPS.moe_re_routing.default]
 
+
+def test_export_save_load_matches_the_reference():
+    program = exported()
+    calls = [n.target for n in program.graph.nodes
+             if n.op == "call_function" and n.target is not operator.getitem]
+    assert calls == [OPS.moe_re_routing.default, OPS.moe_re_routing_inverse.default]
     buffer = io.BytesIO()
     torch.export.save(program, buffer)
     buffer.seek(0)
     loaded = torch.export.load(buffer).module()
     for num_tokens in (48, 100):
         inputs = workload(num_tokens, seed=num_tokens, num_ranks_experts=(4, 3))
-        assert_bitwise_equal(loaded(*inputs), Routed()(*inputs))
+        check_routed(loaded(*inputs), *inputs)
 
 
-def test_out_writes_the_given_tensors_without_allocating():
+def test_aoti_package_runs_forward_and_inverse(tmp_path):
+    path = torch._inductor.aoti_compile_and_package(exported(),
+                                                    package_path=str(tmp_path / "routed.pt2"))
+    runner = torch._inductor.aoti_load_package(path)
+    for num_tokens in (48, 77):
+        inputs = workload(num_tokens, seed=num_tokens + 1, num_ranks_experts=(4, 3))
+        check_routed(runner(*inputs), *inputs)
+
+
+@needs_static_shapes
+def test_decode_step_compiles_once_over_count_patterns():
+    torch._dynamo.reset()
+    num_tokens, num_ranks, num_experts = 64, 2, 4
+    step = torch.compile(
+        lambda tokens, counts: moe_reroute.moe_re_routing(
+            tokens, counts, expert_alignment=16, allow_spare_rows=True, idx_type=0),
+        fullgraph=True, dynamic=False)
+    tokens = torch.randn(num_tokens, 8)
+    rng = np.random.default_rng(5)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for valid in (64, 40, 0, 64, 13):
+            counts = reference.random_counts(rng, valid)
+            cells = np.zeros((num_ranks, num_experts), np.int32)
+            cells.flat[:counts.size] = counts.flat[:num_ranks * num_experts]
+            cells[0, 0] += valid - cells.sum()
+            counts = torch.from_numpy(cells)
+            outputs = step(tokens, counts)
+            check_forward(outputs, tokens, counts, None, None, expert_alignment=16,
+                          allow_spare_rows=True)
+
+
+def test_out_writes_the_given_tensors():
     tokens, counts, scales, weight = workload(60, seed=5)
-    expected = moe_reroute.moe_re_routing(tokens, counts, per_token_scales=scales,
-                                          expert_topk_weight=weight)
-    out = [torch.full_like(t, 0).view(torch.uint8).fill_(reference.POISON).view(t.dtype)
-           if t.numel() else torch.empty_like(t) for t in expected]
+    out = [torch.full(t.shape, reference.POISON, dtype=torch.uint8).view(t.dtype)
+           if t.element_size() == 1 else torch.empty_like(t).fill_(0.5)
+           for t in OPS.moe_re_routing(tokens, counts, scales, weight)]
     pointers = [t.data_ptr() for t in out]
     result = moe_reroute.moe_re_routing(tokens, counts, per_token_scales=scales,
                                         expert_topk_weight=weight, out=out)
     assert all(r is o for r, o in zip(result, out))
     assert [t.data_ptr() for t in result] == pointers
-    assert_bitwise_equal(result, expected)
+    check_forward(result, tokens, counts, scales, weight)
 
 
 def test_out_is_declared_mutated_in_the_schema():
@@ -152,54 +271,89 @@ def test_out_is_declared_mutated_in_the_schema():
                        "expert_token_num", "permute_topk_weight"]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_backward_is_the_inverse_reorder(dtype):
-    tokens, counts, scales, weight = workload(70, seed=6, tokens_dtype=dtype, requires_grad=True)
-    outputs = moe_reroute.moe_re_routing(tokens, counts, per_token_scales=scales,
-                                         expert_topk_weight=weight)
-    assert not outputs[2].requires_grad and not outputs[3].requires_grad
-    grads = [torch.randn(t.shape).to(t.dtype) for t in (outputs[0], outputs[1], outputs[4])]
-    torch.autograd.backward([outputs[0], outputs[1], outputs[4]], grads)
-    gather = outputs[2].long()
-    for tensor, grad in zip((tokens, scales, weight), grads):
-        expected = torch.empty_like(grad)
-        expected[gather] = grad
-        assert tensor.grad.dtype == tensor.dtype
-        assert torch.equal(tensor.grad.view(torch.uint8), expected.view(torch.uint8))
-
-
-def test_inverse_backward_is_the_forward_reorder():
-    tokens, counts, _, weight = workload(30, seed=7, tokens_dtype=torch.float32,
-                                         requires_grad=True)
-    restored, _, restored_weight = moe_reroute.moe_re_routing_inverse(
-        tokens, counts, expert_topk_weight=weight)
-    grad = torch.randn(restored.shape)
-    grad_weight = torch.randn(restored_weight.shape)
-    torch.autograd.backward([restored, restored_weight], [grad, grad_weight])
-    forward = moe_reroute.moe_re_routing(grad, counts, expert_topk_weight=grad_weight)
-    assert torch.equal(tokens.grad, forward[0])
-    assert torch.equal(weight.grad, forward[4])
-
+def test_schemas_end_with_the_static_shape_attributes():
+    for op in (OPS.moe_re_routing, OPS.moe_re_routing_out, OPS.moe_re_routing_inverse):
+        arguments = op.default._schema.arguments
+        assert [(a.name, a.default_value) for a in arguments[-2:]] == [
+            ("expert_alignment", 1), ("allow_spare_rows", False)]
 
 
 def test_out_bumps_the_version_of_each_output():
     tokens, counts, scales, weight = workload(20, seed=8)
-    out = [torch.empty_like(t) for t in moe_reroute.moe_re_routing(
-        tokens, counts, per_token_scales=scales, expert_topk_weight=weight)]
+    out = [torch.empty_like(t) for t in OPS.moe_re_routing(tokens, counts, scales, weight)]
     versions = [t._version for t in out]
     moe_reroute.moe_re_routing(tokens, counts, per_token_scales=scales, expert_topk_weight=weight,
                                out=out)
     assert all(t._version > v for t, v in zip(out, versions))
 
 
-def test_no_grad_call_on_grad_inputs_records_no_graph():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("weight_shape", ["[A,1]", "[A]"])
+def test_backward_is_the_reference_inverse_of_the_gradients(dtype, weight_shape):
+    tokens, counts, scales, weight = workload(70, seed=6, tokens_dtype=dtype, requires_grad=True)
+    if weight_shape == "[A]":
+        weight = weight.detach().reshape(-1).requires_grad_()
+    outputs = moe_reroute.moe_re_routing(tokens, counts, per_token_scales=scales,
+                                         expert_topk_weight=weight)
+    assert not outputs[2].requires_grad and not outputs[3].requires_grad
+    grads = [torch.randn(t.shape).to(t.dtype) for t in (outputs[0], outputs[1], outputs[4])]
+    torch.autograd.backward([outputs[0], outputs[1], outputs[4]], grads)
+    expected = reference.inverse(*(rows(g) for g in grads[:1]), counts.numpy(),
+                                 rows(grads[1]), rows(grads[2]))
+    for tensor, want in zip((tokens, scales, weight), expected):
+        assert tensor.grad.dtype == tensor.dtype and tensor.grad.shape == tensor.shape
+        np.testing.assert_array_equal(rows(tensor.grad), want)
+
+
+def test_inverse_backward_is_the_reference_forward_of_the_gradients():
+    tokens, counts, scales, weight = workload(30, seed=7, tokens_dtype=torch.float32,
+                                              requires_grad=True)
+    restored = moe_reroute.moe_re_routing_inverse(tokens, counts, per_token_scales=scales,
+                                                  expert_topk_weight=weight)
+    grads = [torch.randn(t.shape) for t in restored]
+    torch.autograd.backward(list(restored), grads)
+    expected = reference.reroute(rows(grads[0]), counts.numpy(), rows(grads[1]), rows(grads[2]))
+    for tensor, want in zip((tokens, scales, weight), (expected[0], expected[1], expected[4])):
+        np.testing.assert_array_equal(rows(tensor.grad), want)
+
+
+def python_functions_called(call) -> list[str]:
+    called = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            called.append(f"{frame.f_code.co_filename}:{frame.f_code.co_name}")
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return called
+
+
+@pytest.mark.parametrize("mode", ["no input requires grad", "no_grad", "inference_mode"])
+def test_eager_call_without_gradients_runs_no_python_kernel(mode):
+    tokens, counts, scales, weight = workload(20, seed=9, tokens_dtype=torch.float32,
+                                              requires_grad=mode != "no input requires grad")
+    op = OPS.moe_re_routing.default
+    context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(
+        mode, torch.enable_grad)
+    with context():
+        called = python_functions_called(functools.partial(op, tokens, counts, scales, weight))
+    # Only torch's OpOverload.__call__, the Python entry of every torch op.
+    assert [c.rsplit("/", 2)[-2:] for c in called] == [["torch", "_ops.py:__call__"]]
+
+
+def test_grad_call_records_the_graph_and_no_grad_call_none():
     tokens, counts, scales, weight = workload(20, seed=9, tokens_dtype=torch.float32,
                                               requires_grad=True)
     with torch.no_grad():
-        outputs = moe_reroute.moe_re_routing(tokens, counts, per_token_scales=scales,
-                                             expert_topk_weight=weight)
-    with_grad = moe_reroute.moe_re_routing(tokens, counts, per_token_scales=scales,
+        plain = moe_reroute.moe_re_routing(tokens, counts, per_token_scales=scales,
                                            expert_topk_weight=weight)
-    assert not any(t.requires_grad for t in outputs)
-    assert with_grad[0].grad_fn is not None
-    assert_bitwise_equal(outputs, with_grad)
+    tracked = moe_reroute.moe_re_routing(tokens, counts, per_token_scales=scales,
+                                         expert_topk_weight=weight)
+    assert not any(t.requires_grad for t in plain)
+    assert tracked[0].grad_fn is not None
+    check_forward(plain, tokens, counts, scales, weight)
+    check_forward(tracked, tokens, counts, scales, weight)
