@@ -220,12 +220,14 @@ std::int64_t dim_or_zero(const Tensor& tensor, std::int64_t d) {
   return tensor.dim() > d ? tensor.size(d) : 0;
 }
 
+// Whether every CUDA call reads its device's status word ("sync" mode).
+std::atomic<bool> sync_mode{false};
+
 #if MOE_REROUTE_HAS_CUDA
 // The status word of each CUDA device: sticky (kernels OR their bits in), read
 // and cleared only by cuda_check or, in "sync" mode, after every call.
 std::mutex status_mutex;
 std::vector<Tensor> status_words;
-std::atomic<bool> sync_mode{false};
 
 Tensor status_word(const c10::Device& device) {
   std::lock_guard<std::mutex> lock(status_mutex);
@@ -590,11 +592,7 @@ std::string set_cuda_status_check(c10::string_view mode) {
       fail(ErrorCode::kInvalidArgument,
            "mode: must be \"deferred\" or \"sync\"; got \"" + std::string(mode) + "\"");
     }
-#if MOE_REROUTE_HAS_CUDA
     return std::string(sync_mode.exchange(mode == "sync") ? "sync" : "deferred");
-#else
-    return std::string("deferred");
-#endif
   });
 }
 

@@ -167,3 +167,34 @@ def _core_has_static_shapes() -> bool:
 # the lead's infer_reroute; until this branch has it, its tests skip.
 needs_static_shapes = __import__("pytest").mark.skipif(
     not _core_has_static_shapes(), reason="the core does not implement expert_alignment yet")
+
+
+def rows(tensor) -> np.ndarray:
+    """Byte rows of a tensor on any device."""
+    return byte_rows(tensor.detach().cpu())
+
+
+def check_torch_forward(outputs, tokens, counts, scales, weight, **attributes):
+    """Each forward output byte for byte as the reference (tail rows aside)."""
+    expected = reference.reroute(rows(tokens), counts.cpu().numpy(),
+                                 None if scales is None else rows(scales),
+                                 None if weight is None else rows(weight), **attributes)
+    valid = reference.valid_rows(counts.cpu().numpy(), attributes.get("expert_alignment", 1))
+    for i in (0, 1, 4):
+        if i == 4 and weight is None:
+            assert tuple(outputs[4].shape) == (0,)
+            continue
+        np.testing.assert_array_equal(rows(outputs[i])[:valid], expected[i][:valid])
+    np.testing.assert_array_equal(outputs[2].cpu().numpy(), expected[2])
+    np.testing.assert_array_equal(outputs[3].cpu().numpy(), expected[3])
+
+
+def check_torch_inverse(restored, tokens, counts, scales, weight):
+    expected = reference.inverse(rows(tokens), counts.cpu().numpy(),
+                                 None if scales is None else rows(scales),
+                                 None if weight is None else rows(weight))
+    for output, want in zip(restored, expected):
+        if want is None:
+            assert output.dtype == torch.float32 and tuple(output.shape) == (0,)
+        else:
+            np.testing.assert_array_equal(rows(output), want)

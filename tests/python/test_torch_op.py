@@ -17,7 +17,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moe_reroute
 import reference
-from cases import byte_rows, needs_static_shapes
+from cases import check_torch_forward as check_forward
+from cases import check_torch_inverse as check_inverse
+from cases import needs_static_shapes, rows
 from test_errors import BAD_INPUTS, as_torch, good
 
 OPS = torch.ops.moe_reroute
@@ -40,36 +42,6 @@ def workload(num_tokens, seed=0, tokens_dtype=torch.float16, hidden=8, requires_
     for tensor in (tokens, scales, weight):
         tensor.requires_grad_(requires_grad and tensor.is_floating_point())
     return tokens, counts, scales, weight
-
-
-def rows(tensor) -> np.ndarray:
-    return byte_rows(tensor.detach())
-
-
-def check_forward(outputs, tokens, counts, scales, weight, **attributes):
-    """Each forward output byte for byte as the reference (tail rows aside)."""
-    expected = reference.reroute(rows(tokens), counts.numpy(),
-                                 None if scales is None else rows(scales),
-                                 None if weight is None else rows(weight), **attributes)
-    valid = reference.valid_rows(counts.numpy(), attributes.get("expert_alignment", 1))
-    for i in (0, 1, 4):
-        if i == 4 and weight is None:
-            assert tuple(outputs[4].shape) == (0,)
-            continue
-        np.testing.assert_array_equal(rows(outputs[i])[:valid], expected[i][:valid])
-    np.testing.assert_array_equal(outputs[2].numpy(), expected[2])
-    np.testing.assert_array_equal(outputs[3].numpy(), expected[3])
-
-
-def check_inverse(restored, tokens, counts, scales, weight):
-    expected = reference.inverse(rows(tokens), counts.numpy(),
-                                 None if scales is None else rows(scales),
-                                 None if weight is None else rows(weight))
-    for output, want in zip(restored, expected):
-        if want is None:
-            assert output.dtype == torch.float32 and tuple(output.shape) == (0,)
-        else:
-            np.testing.assert_array_equal(rows(output), want)
 
 
 def opcheck_samples():
