@@ -26,6 +26,20 @@ install_apt_deps() {
   fi
 }
 
+# The newest torch and the test packages in their own virtual environment
+# (scripts/test.sh runs the torch operator tests there too).
+MOE_REROUTE_NEWEST_TORCH_PACKAGES=(
+  torch "numpy>=1.26" "ml_dtypes>=0.5" "pytest>=8" "nanobind==2.9.2" "scikit-build-core>=0.10"
+)
+
+make_newest_torch_venv() {
+  local venv=$1
+  [[ -x $venv/bin/python ]] || python3 -m venv "$venv"
+  # --upgrade: a few seconds when the newest torch is already there.
+  "$venv/bin/python" -m pip install -q --upgrade --root-user-action=ignore \
+    "${MOE_REROUTE_NEWEST_TORCH_PACKAGES[@]}"
+}
+
 install_python_deps() {
   echo "deps: checking Python packages (torch is a large download the first time)" >&2
   # A no-op of a few seconds when every pin is already met.

@@ -12,8 +12,17 @@ cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build build --parallel
 ctest --test-dir build --output-on-failure --parallel 2
 
+# The Python package against the pinned torch (scripts/deps.sh): every test.
 python3 -m pip install -q --no-build-isolation --root-user-action=ignore .
 python3 -m pytest tests/python -q
+
+# The torch operators against the newest torch on PyPI, in a virtual
+# environment created once (a large download the first time), built there
+# against that torch: the operator tests (docs/torch.md).
+newest="${MOE_REROUTE_NEWEST_TORCH_VENV:-$HOME/.cache/moe_reroute/torch-newest}"
+make_newest_torch_venv "$newest"
+"$newest/bin/python" -m pip install -q --no-build-isolation --root-user-action=ignore .
+"$newest/bin/python" -m pytest tests/python/test_torch_op.py -q
 
 if [[ ${MOE_REROUTE_QUICK:-0} != 1 ]]; then
   bash scripts/hardening.sh
