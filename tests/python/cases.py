@@ -51,15 +51,39 @@ class ScaleCase:
     torch_dtype: object
     trailing: tuple  # dims past A
     itemsize: int
+    dtype_name: str  # what the core reads: float32 or float8_e8m0
 
 
 SCALE_CASES = [
     None,
-    ScaleCase("float32[A]", np.float32, torch.float32, (), 4),
-    ScaleCase("float32[A,S]", np.float32, torch.float32, (3,), 4),
-    ScaleCase("e8m0[A,K,2]", ml_dtypes.float8_e8m0fnu, torch.float8_e8m0fnu, (4, 2), 1),
-    ScaleCase("uint8[A,S] as e8m0", np.uint8, torch.uint8, (5,), 1),
+    ScaleCase("float32[A]", np.float32, torch.float32, (), 4, "float32"),
+    ScaleCase("float32[A,S]", np.float32, torch.float32, (3,), 4, "float32"),
+    ScaleCase("float32[A,K,2]", np.float32, torch.float32, (3, 2), 4, "float32"),
+    ScaleCase("e8m0[A]", ml_dtypes.float8_e8m0fnu, torch.float8_e8m0fnu, (), 1, "float8_e8m0"),
+    ScaleCase("uint8[A,S] as e8m0", np.uint8, torch.uint8, (5,), 1, "float8_e8m0"),
+    ScaleCase("e8m0[A,K,2]", ml_dtypes.float8_e8m0fnu, torch.float8_e8m0fnu, (4, 2), 1,
+              "float8_e8m0"),
 ]
+
+FP8 = ("float8_e5m2", "float8_e4m3fn")
+FP4 = ("float4_e2m1", "float4_e1m2")
+
+
+def token_name(case: TokenCase) -> str:
+    """The dtype the core reads tokens of `case` as."""
+    return case.tokens_dtype or {"float4_e2m1fn_x2": "float4_e2m1"}.get(case.label, case.label)
+
+
+def pairs(case: TokenCase, scales: ScaleCase) -> bool:
+    """The rule-7 pairing table (docs/spec.md section 4): FP8 tokens take every
+    scale form of both dtypes; FP4 tokens float32 or e8m0 [A] / [A, S]; other
+    tokens float32 [A] / [A, S] only."""
+    name = token_name(case)
+    if name in FP8:
+        return True
+    if len(scales.trailing) > 1:
+        return False
+    return name in FP4 or scales.dtype_name == "float32"
 
 
 def from_bytes(framework: str, data: np.ndarray, dtype, shape):
@@ -126,7 +150,8 @@ def make_inputs(framework, case, rng, trial):
     columns = hidden * case.bits // 8 // element_bytes
     tokens = random_array(framework, rng, case.dtype(framework), (num_tokens, columns),
                           element_bytes)
-    scale_case = SCALE_CASES[trial % len(SCALE_CASES) if trial else rng.integers(len(SCALE_CASES))]
+    paired = [None] + [s for s in SCALE_CASES[1:] if pairs(case, s)]
+    scale_case = paired[trial % len(paired) if trial else rng.integers(len(paired))]
     scales = None
     if scale_case is not None:
         scales = random_array(framework, rng, scale_case.numpy_dtype if framework == "numpy"

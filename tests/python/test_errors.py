@@ -43,8 +43,11 @@ BAD_INPUTS = [
      "per_token_scales: dim 0 is 5 but tokens has 6 rows"),
     ("scales int8", dict(per_token_scales=np.ones(A, np.int8)), TypeError,
      "per_token_scales: dtype int8 must be float32 or float8_e8m0"),
-    ("scales e8m0 1-D", dict(per_token_scales=np.ones(A, np.uint8)), ValueError,
-     "per_token_scales: float8_e8m0 scales must be"),
+    ("scales e8m0 with float16 tokens", dict(per_token_scales=np.ones(A, np.uint8)), TypeError,
+     "per_token_scales: float8_e8m0 scales pair only with float8_e5m2, float8_e4m3fn, "
+     "float4_e2m1 or float4_e1m2 tokens, got float16 tokens"),
+    ("scales [A,K,2] with float16 tokens", dict(per_token_scales=np.ones((A, 2, 2), np.float32)),
+     ValueError, r"per_token_scales: float32 scales with float16 tokens must be \[A\], \[A, S\]"),
     ("weight int32", dict(expert_topk_weight=np.ones(A, np.int32)), TypeError,
      "expert_topk_weight: dtype int32 must be float32"),
     ("weight dim 1", dict(expert_topk_weight=np.ones((A, 2), np.float32)), ValueError,
@@ -81,7 +84,9 @@ def test_bad_input_raises_naming_the_argument(framework, label, changes, error, 
         moe_reroute.moe_re_routing(tokens, counts, **arguments)
     inverse_arguments = {k: v for k, v in arguments.items()
                          if k in ("per_token_scales", "expert_topk_weight", "tokens_dtype")}
-    if label not in ("tokens int32", "expert_token_num_type", "idx_type"):
+    # The inverse checks no pairing: its rows may be of any dtype.
+    if label not in ("tokens int32", "expert_token_num_type", "idx_type",
+                     "scales e8m0 with float16 tokens", "scales [A,K,2] with float16 tokens"):
         with pytest.raises(error, match=message):
             moe_reroute.moe_re_routing_inverse(tokens, counts, **inverse_arguments)
 

@@ -58,8 +58,9 @@ def test_forward_and_inverse_match_the_reference(framework, num_tokens, valid, s
     spare = valid < num_tokens
     for trial, scale_case in enumerate(SCALE_CASES):
         counts = counts_for(rng, shape, valid, skew).astype(np.int32 if trial % 2 else np.int64)
-        dtype = np.float16 if framework == "numpy" else torch.float16
-        tokens = random_array(framework, rng, dtype, (num_tokens, 6), 2)
+        # FP8 tokens (uint8 storage) take every scale form.
+        dtype = np.uint8 if framework == "numpy" else torch.uint8
+        tokens = random_array(framework, rng, dtype, (num_tokens, 6), 1)
         scales = None
         if scale_case is not None:
             scales = random_array(framework, rng, scale_case.numpy_dtype if framework == "numpy"
@@ -72,7 +73,8 @@ def test_forward_and_inverse_match_the_reference(framework, num_tokens, valid, s
         expected = reference.reroute(byte_rows(tokens), counts,
                                      None if scales is None else byte_rows(scales),
                                      None if weight is None else byte_rows(weight), **attributes)
-        kwargs = dict(per_token_scales=scales, expert_topk_weight=weight, **attributes)
+        kwargs = dict(per_token_scales=scales, expert_topk_weight=weight,
+                      tokens_dtype="float8_e4m3fn", **attributes)
         result = moe_reroute.moe_re_routing(tokens, array(framework, counts), **kwargs)
         num_rows = reference.rows_out(num_tokens, shape[1], k)
         assert result[0].shape[0] == num_rows
@@ -98,7 +100,7 @@ def test_forward_and_inverse_match_the_reference(framework, num_tokens, valid, s
             result[0], array(framework, counts),
             per_token_scales=None if scales is None else result[1],
             expert_topk_weight=None if weight is None else result[4],
-            expert_alignment=k, allow_spare_rows=spare)
+            tokens_dtype="float8_e4m3fn", expert_alignment=k, allow_spare_rows=spare)
         want = reference.inverse(byte_rows(result[0]), counts,
                                  None if scales is None else byte_rows(result[1]),
                                  None if weight is None else byte_rows(result[4]),

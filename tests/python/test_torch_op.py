@@ -52,7 +52,8 @@ def opcheck_samples():
     grad_tokens, grad_counts, grad_scales, grad_weight = workload(24, seed=2, requires_grad=True)
     return [
         ((tokens, counts), dict(per_token_scales=scales, expert_topk_weight=weight)),
-        ((tokens.to(torch.int8), counts), dict(per_token_scales=e8m0, idx_type=1)),
+        ((tokens.view(torch.uint8), counts), dict(per_token_scales=e8m0, idx_type=1,
+                                                  tokens_dtype="float8_e4m3fn")),
         ((hif8, counts.long()), dict(tokens_dtype="hifloat8", expert_token_num_type=0)),
         ((grad_tokens.float(), grad_counts), dict(per_token_scales=grad_scales,
                                                  expert_topk_weight=grad_weight)),
