@@ -21,7 +21,8 @@ python3 -m pytest tests/python -q
 # against that torch: the operator tests (docs/torch.md).
 newest="${MOE_REROUTE_NEWEST_TORCH_VENV:-$HOME/.cache/moe_reroute/torch-newest}"
 make_newest_torch_venv "$newest"
-"$newest/bin/python" -m pip install -q --no-build-isolation --root-user-action=ignore .
+"$newest/bin/python" -m pip install -q --no-build-isolation --root-user-action=ignore \
+  -C build-dir=build-py/newest-torch .
 "$newest/bin/python" -m pytest tests/python/test_torch_op.py -q
 
 if [[ ${MOE_REROUTE_QUICK:-0} != 1 ]]; then

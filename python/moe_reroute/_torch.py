@@ -11,9 +11,14 @@ from __future__ import annotations
 import pathlib
 
 import torch
-from torch.fx.experimental.symbolic_shapes import hint_int
 
 from . import _bridge, _core
+
+# A symbolic size's hint, without adding a guard (renamed in torch 2.15).
+try:
+    from torch.fx.experimental.symbolic_shapes import hint_int as _size_hint
+except ImportError:
+    from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw as _size_hint
 
 torch.ops.load_library(pathlib.Path(__file__).with_name("_torch_ops.so"))
 OPS = torch.ops.moe_reroute
@@ -25,7 +30,7 @@ INPUT_NAMES = ("tokens", "expert_token_num_per_rank", "per_token_scales", "exper
 
 
 def _hint(size) -> int:
-    return hint_int(size) if isinstance(size, torch.SymInt) else int(size)
+    return _size_hint(size) if isinstance(size, torch.SymInt) else int(size)
 
 
 def _describe(tensor, name: str, rows: int = 0, experts: int = 0):
