@@ -10,8 +10,9 @@ import torch
 
 import moe_reroute
 import reference
-from cases import (FRAMEWORKS, TOKEN_CASES, array_type, as_numpy, byte_rows, counts_array,
-                   framework_dtype, make_inputs, poisoned_outputs, random_array, seeded)
+from cases import (FRAMEWORKS, SCALE_CASES, TOKEN_CASES, array_type, as_numpy, byte_rows,
+                   counts_array, framework_dtype, make_inputs, pairs, poisoned_outputs,
+                   random_array, seeded)
 
 NUM_TRIALS = 4
 
@@ -176,3 +177,59 @@ def test_dtype_table_is_the_cores():
     for row in table:
         if row["torch_name"] and hasattr(torch, row["torch_name"]):
             assert isinstance(getattr(torch, row["torch_name"]), torch.dtype)
+
+
+PAIRING = [(case, scales) for case in TOKEN_CASES for scales in SCALE_CASES[1:]
+           if case.dtype("numpy") is not None]
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize(("case", "scale_case"), PAIRING,
+                         ids=[f"{c.label}-{s.label}" for c, s in PAIRING])
+def test_pairing_table(framework, case, scale_case):
+    """Each (tokens, scales) row of the rule-7 table: accepted and moved bit
+    for bit, or refused naming per_token_scales."""
+    if case.dtype(framework) is None:
+        pytest.skip(f"{framework} has no {case.label}")
+    rng = seeded("pairing", framework, case.label, scale_case.label)
+    counts = reference.random_counts(rng, 30)
+    element_bytes = max(1, case.bits // 8)
+    tokens = random_array(framework, rng, case.dtype(framework), (30, 8 // element_bytes * 2),
+                          element_bytes)
+    scales = random_array(framework, rng, scale_case.numpy_dtype if framework == "numpy"
+                          else scale_case.torch_dtype, (30, *scale_case.trailing),
+                          scale_case.itemsize)
+    call = lambda: moe_reroute.moe_re_routing(  # noqa: E731
+        tokens, counts_array(framework, counts), per_token_scales=scales,
+        tokens_dtype=case.tokens_dtype)
+    if not pairs(case, scale_case):
+        with pytest.raises((TypeError, ValueError), match="^per_token_scales: "):
+            call()
+        return
+    check_forward(framework, call(), tokens, counts, scales, None, {})
+
+
+def misaligned(framework, values: np.ndarray):
+    """`values` in memory one byte off its dtype's alignment."""
+    buffer = bytearray(values.nbytes + 1)
+    view = np.frombuffer(buffer, values.dtype, values.size, offset=1).reshape(values.shape)
+    view[...] = values
+    assert not view.flags.aligned
+    return view if framework == "numpy" else torch.from_numpy(view)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("count_dtype", [np.int32, np.int64])
+def test_misaligned_counts_index_and_expert_token_num(framework, count_dtype):
+    rng = seeded("misaligned", framework, np.dtype(count_dtype).name)
+    counts = reference.random_counts(rng, 50, count_dtype)
+    tokens = random_array(framework, rng, framework_dtype(framework, "float16"), (50, 6), 2)
+    result = moe_reroute.moe_re_routing(tokens, misaligned(framework, counts))
+    check_forward(framework, result, tokens, counts, None, None, {})
+    out = list(poisoned_outputs(framework, tokens, counts_array(framework, counts), None, None))
+    out[2] = misaligned(framework, np.full(50, -7, np.int32))
+    out[3] = misaligned(framework, np.full(counts.shape[1], -7, count_dtype))
+    moe_reroute.moe_re_routing(tokens, misaligned(framework, counts), out=out)
+    check_forward(framework, out, tokens, counts, None, None, {})
+    restored = moe_reroute.moe_re_routing_inverse(result[0], misaligned(framework, counts))
+    np.testing.assert_array_equal(byte_rows(restored[0]), byte_rows(tokens))
