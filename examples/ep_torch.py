@@ -5,7 +5,15 @@ moe_re_routing_inverse, the return all_to_all_single and the top-k sum at the
 source rank. Rank 0 checks the result bitwise against the same layer computed
 in one process, prints a per-stage time table and, last, one JSON line.
 
+With --fixed-capacity, each rank receives into a buffer sized for the worst
+case (every token of every rank routed here; static shapes, as under CUDA
+graphs), and moe_re_routing runs on the whole buffer with allow_spare_rows
+and --expert-alignment K, each expert's segment starting at a multiple of K
+(the layout grouped GEMMs want); the experts read their segments from the
+padded cumsum.
+
     python examples/ep_torch.py --ranks 4          # torch.multiprocessing
+    python examples/ep_torch.py --ranks 2 --fixed-capacity --expert-alignment 128
     torchrun --nproc-per-node 4 examples/ep_torch.py
 """
 
@@ -37,9 +45,13 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--fixed-capacity", action="store_true",
+                   help="receive into a worst-case buffer (spare rows allowed)")
+    p.add_argument("--expert-alignment", type=int, default=1,
+                   help="pad each expert's segment to a multiple of this many rows")
     args = p.parse_args(argv)
     for name in ("ranks", "tokens_per_rank", "hidden", "out_hidden", "experts_per_rank", "topk",
-                 "repeat", "threads"):
+                 "repeat", "threads", "expert_alignment"):
         if getattr(args, name) < (0 if name == "tokens_per_rank" else 1):
             p.error(f"--{name.replace('_', '-')}: {getattr(args, name)} is out of range")
     return args
@@ -126,31 +138,40 @@ def run_layer(args, num_ranks, rank, layer_input, a, b):
     send_rows = send_count.reshape(num_ranks, e_per_rank).sum(dim=1).tolist()
     recv_rows = recv_count.sum(dim=1).tolist()
     num_recv = sum(recv_rows)
-    recv_tokens = torch.empty(num_recv, args.hidden, dtype=torch.int8)
-    recv_scales = torch.empty(num_recv, dtype=torch.float32)
-    recv_weights = torch.empty(num_recv, 1, dtype=torch.float32)
+    # The worst case: each of every rank's tokens sends min(K, E) rows here.
+    capacity = (num_ranks * args.tokens_per_rank * min(topk, e_per_rank) if args.fixed_capacity
+                else num_recv)
+    recv_tokens = torch.empty(capacity, args.hidden, dtype=torch.int8)
+    recv_scales = torch.empty(capacity, dtype=torch.float32)
+    recv_weights = torch.empty(capacity, 1, dtype=torch.float32)
     for recv, send in ((recv_tokens, send_tokens), (recv_scales, send_scales),
                        (recv_weights, send_weights)):
-        dist.all_to_all_single(recv, send, output_split_sizes=recv_rows, input_split_sizes=send_rows)
+        dist.all_to_all_single(recv[:num_recv], send, output_split_sizes=recv_rows,
+                               input_split_sizes=send_rows)
     lap("dispatch_alltoallv")
 
-    permute_tokens, permute_scales, _, expert_token_num, permute_weights = moe_reroute.moe_re_routing(
-        recv_tokens, recv_count, per_token_scales=recv_scales, expert_topk_weight=recv_weights)
+    static = dict(expert_alignment=args.expert_alignment, allow_spare_rows=args.fixed_capacity)
+    permute_tokens, permute_scales, _, segment_end, permute_weights = moe_reroute.moe_re_routing(
+        recv_tokens, recv_count, per_token_scales=recv_scales, expert_topk_weight=recv_weights,
+        expert_token_num_type=0, **static)
     lap("moe_re_routing")
 
-    # Each local expert's rows are contiguous now: expert_token_num are the group sizes.
-    groups = expert_token_num.tolist()
-    expert_out = torch.cat([
-        expert_rows(args, a[rank * e_per_rank + e], b[rank * e_per_rank + e], x, s, w)
-        for e, (x, s, w) in enumerate(zip(permute_tokens.split(groups), permute_scales.split(groups),
-                                          permute_weights.split(groups)))])
+    # Expert e's rows start where expert e - 1's padded segment ends.
+    expert_out = torch.zeros(permute_tokens.shape[0], args.out_hidden, dtype=torch.float32)
+    ends = segment_end.tolist()
+    for e, (start, count) in enumerate(zip([0, *ends[:-1]], recv_count.sum(dim=0).tolist())):
+        rows = slice(start, start + count)
+        expert_out[rows] = expert_rows(args, a[rank * e_per_rank + e], b[rank * e_per_rank + e],
+                                       permute_tokens[rows], permute_scales[rows],
+                                       permute_weights[rows])
     lap("experts")
 
-    restored, _, _ = moe_reroute.moe_re_routing_inverse(expert_out, recv_count)
+    restored, _, _ = moe_reroute.moe_re_routing_inverse(expert_out, recv_count, **static)
     lap("moe_re_routing_inverse")
 
     returned = torch.empty(sum(send_rows), args.out_hidden, dtype=torch.float32)
-    dist.all_to_all_single(returned, restored, output_split_sizes=send_rows, input_split_sizes=recv_rows)
+    dist.all_to_all_single(returned, restored[:num_recv], output_split_sizes=send_rows,
+                           input_split_sizes=recv_rows)
     lap("return_alltoallv")
 
     out = combine(returned[send_row].reshape(-1, topk, args.out_hidden).unbind(dim=1))

@@ -41,6 +41,15 @@ def test_layer_verifies_with_odd_widths_and_top1():
     assert (result["ranks"], result["verified"], result["tokens_per_rank"]) == (3, True, 37)
 
 
+@pytest.mark.parametrize("num_ranks", [2, 4])
+def test_layer_verifies_with_a_fixed_capacity_and_aligned_segments(num_ranks):
+    proc = run_example("--ranks", str(num_ranks), "--tokens-per-rank", "64", "--fixed-capacity",
+                       "--expert-alignment", "128")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (result["ranks"], result["verified"]) == (num_ranks, True)
+
+
 def test_topk_past_the_experts_is_an_error():
     spec = importlib.util.spec_from_file_location("ep_torch", EXAMPLE)
     ep_torch = importlib.util.module_from_spec(spec)
