@@ -108,13 +108,20 @@ def overhead(repeats):
                 f"median of {repeats}", times, "torch.index_select")
 
 
-def decode(repeats):
-    tokens, counts, scales, weight = workload(256, torch.bfloat16)
+def checked_workload(num_tokens, dtype):
+    """The inputs, the keyword arguments with scales and weights, the op's
+    gather index, and the op's result, checked against index_select by it."""
+    tokens, counts, scales, weight = workload(num_tokens, dtype)
     kwargs = dict(per_token_scales=scales, expert_topk_weight=weight)
     result = moe_reroute.moe_re_routing(tokens, counts, **kwargs)
     index = result[2].long()
     check("moe_reroute", (result[0], result[1], result[4]),
           [torch.index_select(t, 0, index) for t in (tokens, scales, weight)])
+    return tokens, counts, scales, weight, kwargs, index, result
+
+
+def decode(repeats):
+    tokens, counts, scales, weight, kwargs, index, result = checked_workload(256, torch.bfloat16)
     out = [torch.empty_like(t) for t in result]
     times = timings_us({
         "torch.index_select (tokens)": lambda: torch.index_select(tokens, 0, index),
@@ -131,12 +138,7 @@ def decode(repeats):
 
 
 def prefill(repeats):
-    tokens, counts, scales, weight = workload(16384, torch.int8)
-    kwargs = dict(per_token_scales=scales, expert_topk_weight=weight)
-    result = moe_reroute.moe_re_routing(tokens, counts, **kwargs)
-    index = result[2].long()
-    check("moe_reroute", (result[0], result[1], result[4]),
-          [torch.index_select(t, 0, index) for t in (tokens, scales, weight)])
+    tokens, counts, scales, weight, kwargs, index, result = checked_workload(16384, torch.int8)
     arrays = [t.numpy() for t in (tokens, counts, scales, weight)]
     np_index = index.numpy()
     del result

@@ -216,14 +216,14 @@ struct Call {
   std::optional<std::string> out_scales_dtype() const { return scales ? scales_dtype : std::nullopt; }
 };
 
-std::int64_t dim_or_zero(const Tensor& tensor, std::int64_t d) {
-  return tensor.dim() > d ? tensor.size(d) : 0;
-}
-
 // Whether every CUDA call reads its device's status word ("sync" mode).
 std::atomic<bool> sync_mode{false};
 
 #if MOE_REROUTE_HAS_CUDA
+std::int64_t dim_or_zero(const Tensor& tensor, std::int64_t d) {
+  return tensor.dim() > d ? tensor.size(d) : 0;
+}
+
 // The status word of each CUDA device: sticky (kernels OR their bits in), read
 // and cleared only by cuda_check or, in "sync" mode, after every call.
 std::mutex status_mutex;
