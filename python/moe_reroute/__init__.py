@@ -56,7 +56,12 @@ def cuda_check() -> None:
 
 
 def _is_torch(array) -> bool:
-    return _torch is not None and isinstance(array, _torch.torch.Tensor)
+    """Whether `array` is a torch tensor (raising where this build has no
+    torch operators), without importing torch for NumPy calls."""
+    if not type(array).__module__.startswith("torch"):
+        return False
+    _ops()
+    return isinstance(array, _torch.torch.Tensor)
 
 
 def moe_re_routing(tokens, expert_token_num_per_rank, *, per_token_scales=None,
