@@ -394,9 +394,8 @@ bool requires_grad(const Tensor& tokens, const OptionalTensor& scales, const Opt
           (weight && weight->requires_grad()));
 }
 
-// Zeroes rows [valid, rows) of `gradient`: rows the op never read (the
-// forward's spare input rows, the inverse's tail input rows) get no gradient.
-void zero_unread_rows(Tensor& gradient, const Tensor& valid) {
+// Zeroes rows [valid, rows) of `gradient`.
+void zero_rows_from(Tensor& gradient, const Tensor& valid) {
   const Tensor rows = at::arange(gradient.size(0), gradient.options().dtype(c10::kLong));
   std::vector<std::int64_t> shape(static_cast<std::size_t>(gradient.dim()), 1);
   shape[0] = gradient.size(0);
@@ -439,6 +438,13 @@ struct Saved {
   OptionalName name() const {
     return tokens_dtype ? OptionalName(*tokens_dtype) : std::nullopt;
   }
+  // Rows the op never read (the forward's spare input rows, the inverse's
+  // tail input rows) get no gradient: rows [valid, rows) of each gradient.
+  void zero_unread_rows(const Tensor& valid, Tensor& tokens, Tensor& scales, Tensor& weight) const {
+    zero_rows_from(tokens, valid);
+    if (has_scales) zero_rows_from(scales, valid);
+    if (has_weight) zero_rows_from(weight, valid);
+  }
   Tensor when_scales(const Tensor& gradient) const { return has_scales ? gradient : Tensor(); }
   Tensor when_weight(const Tensor& gradient) const { return has_weight ? gradient : Tensor(); }
 };
@@ -464,12 +470,7 @@ struct RerouteFunction : torch::autograd::Function<RerouteFunction> {
         inverse_op().call(grads[0].contiguous(), saved.counts, saved.scales(grads[1]),
                           saved.weight(grads[4]), saved.name(), saved.expert_alignment,
                           saved.allow_spare_rows);
-    if (saved.allow_spare_rows) {
-      const Tensor valid = saved.counts.sum();
-      for (Tensor* gradient : {&tokens, &scales, &weight}) {
-        if (gradient->dim() > 0 && gradient->size(0) == tokens.size(0)) zero_unread_rows(*gradient, valid);
-      }
-    }
+    if (saved.allow_spare_rows) saved.zero_unread_rows(saved.counts.sum(), tokens, scales, weight);
     return {tokens,   Tensor(), saved.when_scales(scales), saved.when_weight(weight),
             Tensor(), Tensor(), Tensor(),                  Tensor(),
             Tensor()};
@@ -494,13 +495,8 @@ struct InverseFunction : torch::autograd::Function<InverseFunction> {
         grads[0].contiguous(), saved.counts, saved.scales(grads[1]), saved.weight(grads[2]),
         kExpertTokenNumCumsum, kIdxGather, saved.name(), saved.expert_alignment,
         saved.allow_spare_rows);
-    if (saved.expert_alignment > 1 && cumsum.numel() > 0) {
-      // Rows past the last padded segment end (the tail) were never read.
-      const Tensor valid = cumsum[-1];
-      for (Tensor* gradient : {&tokens, &scales, &weight}) {
-        if (gradient->dim() > 0 && gradient->size(0) == tokens.size(0)) zero_unread_rows(*gradient, valid);
-      }
-    }
+    // The tail: rows past the last padded segment end (cumsum[-1]).
+    if (saved.expert_alignment > 1) saved.zero_unread_rows(cumsum[-1], tokens, scales, weight);
     return {tokens, Tensor(), saved.when_scales(scales), saved.when_weight(weight),
             Tensor(), Tensor(), Tensor()};
   }
