@@ -23,10 +23,25 @@ def stored_like(spec_shape, input_shape) -> list:
     return [spec_shape[0], *input_shape[1:]]
 
 
+def checked(name: str, value, kind):
+    """`value`, if it is a `kind` (int: not a bool); else TypeError naming `name`."""
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise TypeError(f"{name}: expected {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
 def attributes(expert_token_num_type, idx_type, expert_alignment, allow_spare_rows) -> dict:
-    return dict(expert_token_num_type=expert_token_num_type, idx_type=idx_type,
-                expert_alignment=expert_alignment, allow_spare_rows=allow_spare_rows)
+    """The forward's attributes as the core module takes them, type-checked."""
+    return dict(expert_token_num_type=checked("expert_token_num_type", expert_token_num_type, int),
+                idx_type=checked("idx_type", idx_type, int),
+                **inverse_attributes(expert_alignment, allow_spare_rows))
 
 
 def inverse_attributes(expert_alignment, allow_spare_rows) -> dict:
-    return dict(expert_alignment=expert_alignment, allow_spare_rows=allow_spare_rows)
+    return dict(expert_alignment=checked("expert_alignment", expert_alignment, int),
+                allow_spare_rows=checked("allow_spare_rows", allow_spare_rows, bool))
+
+
+def tokens_name(tokens_dtype):
+    """tokens_dtype, if None or a str; else TypeError naming it."""
+    return None if tokens_dtype is None else checked("tokens_dtype", tokens_dtype, str)

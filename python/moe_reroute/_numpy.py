@@ -60,6 +60,7 @@ def allocate(specs, arrays, pairs) -> list:
 
 
 def reroute(arrays, tokens_dtype, attributes, out):
+    tokens_dtype = _bridge.tokens_name(tokens_dtype)
     described = inputs(arrays)
     if out is None:
         specs = _core.infer_reroute(described, tokens_dtype=tokens_dtype, **attributes)
@@ -70,6 +71,7 @@ def reroute(arrays, tokens_dtype, attributes, out):
 
 
 def inverse(arrays, tokens_dtype, attributes):
+    tokens_dtype = _bridge.tokens_name(tokens_dtype)
     described = inputs(arrays)
     specs = _core.infer_inverse(described, tokens_dtype=tokens_dtype, **attributes)
     out = allocate(specs, arrays, _bridge.INVERSE_PAIRS)

@@ -174,3 +174,16 @@ def test_fp4_storage_too_wide_to_double_is_refused():
     counts = np.zeros((1, 1), np.int32)
     with pytest.raises(ValueError, match="tokens: last dim 4611686018427387904 overflows"):
         moe_reroute.moe_re_routing(tokens, counts, tokens_dtype="float4_e2m1")
+
+
+@pytest.mark.parametrize(("keyword", "value", "message"), [
+    ("tokens_dtype", 5, "tokens_dtype: expected str, got int"),
+    ("expert_alignment", "2", "expert_alignment: expected int, got str"),
+    ("allow_spare_rows", "yes", "allow_spare_rows: expected bool, got str"),
+    ("idx_type", True, "idx_type: expected int, got bool"),
+])
+def test_numpy_attribute_of_the_wrong_type_is_named(keyword, value, message):
+    arguments = good()
+    with pytest.raises(TypeError, match=message):
+        moe_reroute.moe_re_routing(arguments.pop("tokens"),
+                                   arguments.pop("expert_token_num_per_rank"), **{keyword: value})
