@@ -8,6 +8,8 @@ from . import _core
 TABLE = tuple(_core.dtype_table())
 _ROWS = {row["name"]: row for row in TABLE}
 
+INPUT_NAMES = ("tokens", "expert_token_num_per_rank", "per_token_scales", "expert_topk_weight")
+
 # Which inputs each direction's outputs are stored like (output index: input index).
 FORWARD_PAIRS = {0: 0, 1: 2, 4: 3}
 INVERSE_PAIRS = {0: 0, 1: 2, 2: 3}

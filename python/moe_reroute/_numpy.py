@@ -8,7 +8,6 @@ import numpy as np
 
 from . import _bridge, _core
 
-INPUT_NAMES = ("tokens", "expert_token_num_per_rank", "per_token_scales", "expert_topk_weight")
 FORWARD_OUTPUT_NAMES = ("permute_tokens", "permute_per_token_scales", "permute_token_idx",
                         "expert_token_num", "permute_topk_weight")
 INVERSE_OUTPUT_NAMES = ("restored_tokens", "restored_per_token_scales", "restored_topk_weight")
@@ -33,7 +32,7 @@ def describe(array, name: str):
 def inputs(arrays) -> list:
     """The described inputs, copied to C order where they are not."""
     return [None if a is None else describe(np.ascontiguousarray(check_array(a, name)), name)
-            for a, name in zip(arrays, INPUT_NAMES)]
+            for a, name in zip(arrays, _bridge.INPUT_NAMES)]
 
 
 def outputs(arrays, names) -> list:

@@ -26,7 +26,6 @@ FORWARD = OPS.moe_re_routing.default
 FORWARD_OUT = OPS.moe_re_routing_out.default
 INVERSE = OPS.moe_re_routing_inverse.default
 
-INPUT_NAMES = ("tokens", "expert_token_num_per_rank", "per_token_scales", "expert_topk_weight")
 
 
 def _hint(size) -> int:
@@ -49,7 +48,8 @@ def _describe(tensor, name: str, rows: int = 0, experts: int = 0):
 
 
 def _infer(infer, tensors, rows=0, experts=0, **kwargs) -> list:
-    described = [_describe(t, n, rows, experts) for t, n in zip(tensors, INPUT_NAMES)]
+    described = [_describe(t, n, rows, experts)
+                 for t, n in zip(tensors, _bridge.INPUT_NAMES)]
     return infer(described, **kwargs)
 
 
