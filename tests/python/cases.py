@@ -181,18 +181,6 @@ def poisoned_outputs(framework, tokens, counts, scales, weight):
     ]
 
 
-def _core_has_static_shapes() -> bool:
-    import moe_reroute
-    tokens = np.zeros((2, 1), np.float32)
-    return moe_reroute.moe_re_routing(tokens, np.array([[2]], np.int32),
-                                      expert_alignment=2)[0].shape[0] == 3
-
-
-# The core's static-shape layout (docs/spec.md section 9) lands on main with
-# the lead's infer_reroute; until this branch has it, its tests skip.
-needs_static_shapes = __import__("pytest").mark.skipif(
-    not _core_has_static_shapes(), reason="the core does not implement expert_alignment yet")
-
 
 def rows(tensor) -> np.ndarray:
     """Byte rows of a tensor on any device."""

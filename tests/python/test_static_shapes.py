@@ -12,8 +12,8 @@ import torch
 
 import moe_reroute
 import reference
-from cases import (SCALE_CASES, byte_rows, check_torch_forward, needs_static_shapes, poisoned,
-                   random_array, rows, seeded)
+from cases import (SCALE_CASES, byte_rows, check_torch_forward, poisoned, random_array, rows,
+                   seeded)
 
 FRAMEWORKS = ("numpy", "torch")
 
@@ -43,8 +43,7 @@ ALIGNMENTS = (1, 2, 16, 128)
 def params():
     for label, num_tokens, valid, shape, skew in LAYOUTS:
         for k in ALIGNMENTS:
-            marks = [needs_static_shapes] if k > 1 or valid < num_tokens else []
-            yield pytest.param(num_tokens, valid, shape, skew, k, id=f"{label}-k{k}", marks=marks)
+            yield pytest.param(num_tokens, valid, shape, skew, k, id=f"{label}-k{k}")
 
 
 def array(framework, data):
@@ -111,7 +110,6 @@ def test_forward_and_inverse_match_the_reference(framework, num_tokens, valid, s
                 np.testing.assert_array_equal(byte_rows(output)[:valid], rows_want[:valid])
 
 
-@needs_static_shapes
 @pytest.mark.parametrize("k", [2, 16])
 def test_backward_gives_zero_to_rows_never_read(k):
     counts = torch.tensor([[3, 0, 2], [1, 4, 0]], dtype=torch.int32)
@@ -135,7 +133,6 @@ def test_backward_gives_zero_to_rows_never_read(k):
     np.testing.assert_array_equal(rows(expert_rows.grad), forward)
 
 
-@needs_static_shapes
 def test_fake_kernel_rows_follow_a_and_e_symbolically():
     torch._dynamo.reset()
     step = torch.compile(lambda tokens, counts: moe_reroute.moe_re_routing(
