@@ -104,14 +104,14 @@ if ! run configure 120 "${configure[@]}" "${python_flags[@]}"; then
   run configure-without-python 120 "${configure[@]}" -DMOE_REROUTE_BUILD_PYTHON=OFF || finish
 fi
 targets=(moe_reroute_gpu_bench)
-((${#python_flags[@]})) && targets+=(_core)
+((${#python_flags[@]})) && targets+=(_core _torch_ops)
 run build 240 cmake --build "$BUILD" -j"$JOBS" --target "${targets[@]}" || finish
 run ptxas 60 scripts/ptxas.sh "$ARCHS"
 
 # Our torch operator from this build, staged as a package beside its Python files.
-if ((${#python_flags[@]})) && ls "$BUILD"/python/_core*.so > /dev/null 2>&1; then
+if ((${#python_flags[@]})) && ls "$BUILD"/python/_core*.so "$BUILD"/python/_torch_ops.so > /dev/null 2>&1; then
   rm -rf "$out/python" && mkdir -p "$out/python" && cp -r python/moe_reroute "$out/python/"
-  cp "$BUILD"/python/_core*.so "$out/python/moe_reroute/"
+  cp "$BUILD"/python/_core*.so "$BUILD"/python/_torch_ops.so "$out/python/moe_reroute/"
   export PYTHONPATH="$out/python${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
