@@ -244,5 +244,46 @@ TEST_F(CudaValidation, InverseRejectsMissingOptionalOutputs) {
   }
 }
 
+// Rule 7's refused pairings (docs/spec.md), written out here: the CUDA host
+// checks refuse each, naming per_token_scales, before anything is launched.
+TEST_F(CudaValidation, RefusesEveryPairingTheTableRefuses) {
+  struct Refused {
+    DType tokens;
+    DType scales;
+    Shape tail;  // the dims after A
+  };
+  const Shape ak2{1, 2};
+  std::vector<Refused> refused;
+  for (const DType plain : {DType::kFloat16, DType::kBFloat16, DType::kInt8, DType::kHiFloat8,
+                            DType::kFloat32, DType::kUInt8}) {
+    refused.push_back({plain, DType::kFloat32, ak2});
+    for (const Shape& tail : {Shape{}, Shape{3}, ak2}) refused.push_back({plain, DType::kFloat8E8M0, tail});
+  }
+  for (const DType fp4 : {DType::kFloat4E2M1, DType::kFloat4E1M2}) {
+    refused.push_back({fp4, DType::kFloat32, ak2});
+    refused.push_back({fp4, DType::kFloat8E8M0, ak2});
+  }
+  ASSERT_EQ(refused.size(), 28u);
+  std::vector<std::byte> scales(kRows * 16);
+  for (const Refused& r : refused) {
+    Shape shape{kRows};
+    for (int d = 0; d < r.tail.ndim; ++d) shape.dims[static_cast<std::size_t>(shape.ndim++)] = r.tail[d];
+    inputs_.tokens = TensorView(inputs_.tokens.data, r.tokens, {kRows, 4});
+    outputs_.permute_tokens = TensorView(outputs_.permute_tokens.data, r.tokens, {kRows, 4});
+    inputs_.per_token_scales = TensorView(scales.data(), r.scales, shape);
+    outputs_.permute_per_token_scales = TensorView(outputs_.permute_per_token_scales.data, r.scales, shape);
+    try {
+      moe_re_routing(inputs_, outputs_, {}, context_);
+      ADD_FAILURE() << "no error for " << dtype_name(r.tokens) << " tokens with "
+                    << inputs_.per_token_scales->spec.to_string();
+    } catch (const Error& error) {
+      EXPECT_EQ(std::string(error.what()).rfind("per_token_scales: ", 0), 0u) << error.what();
+      EXPECT_NE(std::string(error.what()).find(std::string(dtype_name(r.tokens)) + " tokens"),
+                std::string::npos)
+          << error.what();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace moe_reroute::cuda
