@@ -3,7 +3,7 @@
 # step at the end and a non-zero exit if any failed:
 #   fuzz   clang + libFuzzer + ASan/UBSan (build-fuzz): every fuzz target
 #          replays its seed corpus, then fuzzes for MOE_REROUTE_FUZZ_SECONDS
-#          (default 60) each; a finding is saved under build-fuzz/findings/.
+#          (default 40) each; a finding is saved under build-fuzz/findings/.
 #   asan   the whole ctest suite under ASan + UBSan (build-asan, g++).
 #   tsan   the whole ctest suite under TSan (build-tsan, clang + libomp).
 # The sanitizer suites run ctest only (no Python) and exclude the label
@@ -12,7 +12,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-fuzz_seconds=${MOE_REROUTE_FUZZ_SECONDS:-60}
+fuzz_seconds=${MOE_REROUTE_FUZZ_SECONDS:-40}
 steps=${MOE_REROUTE_HARDENING_STEPS:-fuzz asan tsan}
 jobs=${MOE_REROUTE_JOBS:-$(nproc)}
 fuzz_targets=(reroute inverse npy)

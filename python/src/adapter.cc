@@ -5,7 +5,7 @@
 namespace moe_reroute::adapter {
 namespace {
 
-// The table row a framework names `storage` by (its SPEC or torch name).
+// The table row a framework names `storage` by (its docs/spec.md or torch name).
 std::optional<DType> native_dtype(Storage storage) {
   for (const DTypeInfo& info : dtype_table()) {
     if (info.name == storage.name || (!info.torch_name.empty() && info.torch_name == storage.name))
@@ -18,6 +18,11 @@ std::optional<DType> native_dtype(Storage storage) {
 // each (a byte holding two FP4 elements doubles the last dim).
 std::vector<std::int64_t> logical_dims(std::span<const std::int64_t> dims, int storage_bits,
                                        int bits, const char* arg) {
+  if (dims.size() > static_cast<std::size_t>(kMaxDims)) {
+    fail(ErrorCode::kInvalidArgument, std::string(arg) + ": " + std::to_string(dims.size()) +
+                                          "-D, at most " + std::to_string(kMaxDims) +
+                                          " dims are supported");
+  }
   std::vector<std::int64_t> logical(dims.begin(), dims.end());
   if (storage_bits == 2 * bits && !logical.empty()) {
     if (logical.back() > std::numeric_limits<std::int64_t>::max() / 2) {

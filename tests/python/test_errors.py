@@ -26,6 +26,10 @@ def good():
 BAD_INPUTS = [
     ("tokens 1-D", dict(tokens=np.ones(A, np.float16)), ValueError, "tokens: must be 2-D"),
     ("tokens H=0", dict(tokens=np.ones((A, 0), np.float16)), ValueError, "tokens: H must be >= 1"),
+    ("tokens 5-D", dict(tokens=np.ones((A, 1, 1, 1, 4), np.float16)), ValueError,
+     "tokens: 5-D, at most 4 dims are supported"),
+    ("scales 5-D", dict(per_token_scales=np.ones((A, 1, 1, 1, 2), np.float32)), ValueError,
+     "per_token_scales: 5-D, at most 4 dims are supported"),
     ("tokens float64", dict(tokens=np.ones((A, 4))), TypeError, "tokens: dtype float64"),
     ("tokens int32", dict(tokens=np.ones((A, 4), np.int32)), TypeError,
      "tokens: dtype int32 is not a token dtype"),
