@@ -11,8 +11,6 @@
 namespace moe_reroute::testing {
 namespace {
 
-constexpr std::byte kPoison{0xA5};
-
 std::size_t size(std::int64_t n) { return static_cast<std::size_t>(n); }
 
 }  // namespace
@@ -28,6 +26,26 @@ std::string first_difference(const char* name, const std::vector<std::byte>& got
       return std::string(name) + ": byte " + std::to_string(i) + " is " +
              std::to_string(std::to_integer<int>(got[i])) + ", expected " +
              std::to_string(std::to_integer<int>(expected[i]));
+    }
+  }
+  return "";
+}
+
+std::string rows_difference(const char* name, const std::byte* got, std::size_t got_bytes,
+                            const std::vector<std::byte>& expected, std::int64_t specified_rows,
+                            std::int64_t row_bytes) {
+  if (got_bytes != expected.size()) {
+    return std::string(name) + ": " + std::to_string(got_bytes) + " bytes, expected " +
+           std::to_string(expected.size());
+  }
+  const std::size_t specified = size(specified_rows * row_bytes);
+  for (std::size_t i = 0; i < got_bytes; ++i) {
+    const std::byte want = i < specified ? expected[i] : kPoison;
+    if (got[i] != want) {
+      return std::string(name) + ": byte " + std::to_string(i) + " (row " +
+             std::to_string(static_cast<std::int64_t>(i) / row_bytes) + ") is " +
+             std::to_string(std::to_integer<int>(got[i])) + ", expected " +
+             std::to_string(std::to_integer<int>(want)) + (i < specified ? "" : " (unwritten)");
     }
   }
   return "";
@@ -196,31 +214,6 @@ std::int64_t Workload::bytes_moved() const {
   return read + written;
 }
 
-namespace {
-
-// first_difference over the first `specified_rows` rows of `got`, whose rows
-// after them must still hold the poison.
-std::string rows_difference(const char* name, const std::vector<std::byte>& got,
-                            const std::vector<std::byte>& expected, std::int64_t num_rows,
-                            std::int64_t specified_rows) {
-  if (got.size() != expected.size()) return first_difference(name, got, expected.data(), expected.size());
-  if (num_rows == 0) return "";
-  const std::size_t row_bytes = got.size() / size(num_rows);
-  const std::size_t specified = row_bytes * size(specified_rows);
-  const std::vector<std::byte> head(got.begin(), got.begin() + static_cast<std::ptrdiff_t>(specified));
-  std::string diff = first_difference(name, head, expected.data(), specified);
-  if (!diff.empty()) return diff;
-  for (std::size_t i = specified; i < got.size(); ++i) {
-    if (got[i] != kPoison) {
-      return std::string(name) + ": byte " + std::to_string(i) + " of unspecified row " +
-             std::to_string(i / row_bytes) + " was written";
-    }
-  }
-  return "";
-}
-
-}  // namespace
-
 std::string Workload::compare(const ReferenceOutputs& expected) const {
   std::vector<std::byte> expected_num(expert_token_num.size());
   const std::size_t count_bytes = size(dtype_bytes(config_.count_dtype, 1));
@@ -230,14 +223,14 @@ std::string Workload::compare(const ReferenceOutputs& expected) const {
                 count_bytes == 4 ? static_cast<const void*>(&value32) : &expected.expert_token_num[e],
                 count_bytes);
   }
-  const std::int64_t rows = num_output_rows();
+  const std::int64_t rows = expected.specified_rows;
   for (const std::string& diff :
-       {rows_difference("permute_tokens", permute_tokens, expected.tokens, rows,
-                        expected.specified_rows),
-        rows_difference("permute_per_token_scales", permute_scales, expected.scales, rows,
-                        expected.specified_rows),
-        rows_difference("permute_topk_weight", permute_weight, expected.weight,
-                        config_.has_weight ? rows : 0, expected.specified_rows),
+       {rows_difference("permute_tokens", permute_tokens.data(), permute_tokens.size(),
+                        expected.tokens, rows, dtype_bytes(config_.token_dtype, config_.hidden)),
+        rows_difference("permute_per_token_scales", permute_scales.data(), permute_scales.size(),
+                        expected.scales, rows, scale_row_bytes()),
+        rows_difference("permute_topk_weight", permute_weight.data(), permute_weight.size(),
+                        expected.weight, rows, 4),
         first_difference("permute_token_idx", token_idx,
                          reinterpret_cast<const std::byte*>(expected.token_idx.data()),
                          expected.token_idx.size() * 4),

@@ -20,6 +20,16 @@ std::vector<std::int64_t> random_counts(std::int64_t num_ranks, std::int64_t num
                                         std::int64_t num_tokens, double skew,
                                         double zero_fraction, std::uint64_t seed);
 
+/// The byte every test fills outputs with before a run.
+inline constexpr std::byte kPoison{0xA5};
+
+/// "" when the first `specified_rows` rows of `row_bytes` bytes of `got` equal
+/// `expected`'s and every byte after them still holds kPoison (rows the
+/// contract leaves unspecified must not be written), else the first difference.
+std::string rows_difference(const char* name, const std::byte* got, std::size_t got_bytes,
+                            const std::vector<std::byte>& expected, std::int64_t specified_rows,
+                            std::int64_t row_bytes);
+
 /// "" when `got` holds exactly the `expected_bytes` bytes at `expected`, else
 /// "<name>: byte i is x, expected y" (or the size mismatch).
 std::string first_difference(const char* name, const std::vector<std::byte>& got,

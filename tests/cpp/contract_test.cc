@@ -15,7 +15,7 @@ namespace {
 using testing::Workload;
 using testing::WorkloadConfig;
 
-constexpr std::byte kPoison{0xA5};
+using testing::kPoison;
 
 WorkloadConfig small_config(DType token_dtype, ScaleForm scales) {
   WorkloadConfig config;

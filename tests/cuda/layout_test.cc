@@ -23,7 +23,7 @@
 namespace moe_reroute::cuda::detail {
 namespace {
 
-constexpr std::byte kPoison{0xA5};
+using testing::kPoison;
 
 // Host bytes at `offset` past a 16-byte aligned base, so that the split and
 // the shifted words see every alignment.
@@ -233,24 +233,6 @@ void emulate(const Case& c, const std::vector<Count>& counts, const std::byte* t
   }
 }
 
-// "" when `got` holds the reference's first `rows` rows and poison after.
-std::string compare_rows(const char* name, const Buffer& got,
-                         const std::vector<std::byte>& expected, std::int64_t rows,
-                         std::int64_t row_bytes) {
-  if (got.size() != expected.size()) return std::string(name) + ": size differs";
-  const auto specified = static_cast<std::size_t>(rows * row_bytes);
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    const std::byte want = i < specified ? expected[i] : kPoison;
-    if (got.data()[i] != want) {
-      return std::string(name) + ": byte " + std::to_string(i) + " (row " +
-             std::to_string(static_cast<std::int64_t>(i) / row_bytes) + ") is " +
-             std::to_string(std::to_integer<int>(got.data()[i])) + ", expected " +
-             std::to_string(std::to_integer<int>(want)) + (i < specified ? "" : " (unwritten)");
-    }
-  }
-  return "";
-}
-
 template <typename Count>
 std::vector<Count> as(const std::vector<std::int64_t>& counts) {
   return std::vector<Count>(counts.begin(), counts.end());
@@ -314,14 +296,18 @@ void check_case(const Case& c, const std::vector<std::int64_t>& counts, std::int
       c.forward ? testing::reference_reroute(in, c.cumsum ? 0 : 1, c.gather ? 0 : 1)
                 : testing::reference_inverse(in);
   EXPECT_EQ(got.totals.output_rows, want.specified_rows);
-  EXPECT_EQ(compare_rows("tokens", got.tokens, want.tokens, want.specified_rows, c.token_row_bytes),
+  EXPECT_EQ(testing::rows_difference("tokens", got.tokens.data(), got.tokens.size(), want.tokens,
+                                     want.specified_rows, c.token_row_bytes),
             "");
   if (has_scales) {
-    EXPECT_EQ(compare_rows("scales", got.scales, want.scales, want.specified_rows, scale_row_bytes),
+    EXPECT_EQ(testing::rows_difference("scales", got.scales.data(), got.scales.size(), want.scales,
+                                       want.specified_rows, scale_row_bytes),
               "");
   }
   if (c.weight) {
-    EXPECT_EQ(compare_rows("weight", got.weight, want.weight, want.specified_rows, 4), "");
+    EXPECT_EQ(testing::rows_difference("weight", got.weight.data(), got.weight.size(), want.weight,
+                                       want.specified_rows, 4),
+              "");
   }
   if (c.forward) {
     EXPECT_EQ(got.index, want.token_idx);

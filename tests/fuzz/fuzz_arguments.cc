@@ -11,7 +11,7 @@
 namespace moe_reroute::fuzz {
 namespace {
 
-constexpr std::byte kPoison{0xA5};
+using testing::kPoison;
 constexpr std::int64_t kMaxCountBlocks = 256;
 constexpr std::int64_t kInt32Max = std::numeric_limits<std::int32_t>::max();
 constexpr std::int64_t kInt64Max = std::numeric_limits<std::int64_t>::max();
@@ -271,17 +271,11 @@ void require_equal(const char* name, const std::vector<std::byte>& got, const vo
 }
 
 void require_rows(const char* name, const std::vector<std::byte>& got,
-                  const std::vector<std::byte>& expected, std::int64_t num_rows,
-                  std::int64_t specified_rows) {
-  require(got.size() == expected.size(), std::string(name) + ": wrong size");
-  if (num_rows == 0) return;
-  const std::size_t specified = got.size() / static_cast<std::size_t>(num_rows) *
-                                static_cast<std::size_t>(specified_rows);
-  require(std::memcmp(got.data(), expected.data(), specified) == 0,
-          std::string(name) + " differs from the reference");
-  for (std::size_t i = specified; i < got.size(); ++i) {
-    require(got[i] == kPoison, std::string(name) + ": an unspecified row was written");
-  }
+                  const std::vector<std::byte>& expected, std::int64_t specified_rows,
+                  std::int64_t row_bytes) {
+  const std::string difference = testing::rows_difference(name, got.data(), got.size(), expected,
+                                                          specified_rows, row_bytes);
+  require(difference.empty(), difference + " (reference)");
 }
 
 void require_plan_tiles(const Plan& plan) {

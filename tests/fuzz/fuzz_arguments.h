@@ -83,11 +83,11 @@ void require_equal(const char* name, const std::vector<std::byte>& got, const vo
 
 /// Aborts unless the plan's chunks tile [0, A) in both source and destination
 /// rows (every row moved exactly once) and the threads partition the chunks.
-/// Requires the first `specified_rows` of `num_rows` rows of `got` to equal
-/// `expected` and the rest to hold the poison.
+/// Requires the first `specified_rows` rows (of `row_bytes`) of `got` to equal
+/// `expected` and the rest to hold the poison (testing::rows_difference).
 void require_rows(const char* name, const std::vector<std::byte>& got,
-                  const std::vector<std::byte>& expected, std::int64_t num_rows,
-                  std::int64_t specified_rows);
+                  const std::vector<std::byte>& expected, std::int64_t specified_rows,
+                  std::int64_t row_bytes);
 
 void require_plan_tiles(const Plan& plan);
 

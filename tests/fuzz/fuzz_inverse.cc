@@ -41,15 +41,15 @@ struct Inverse {
     in.num_tokens = arguments.tokens.shape()[0] - (k == 1 ? 0 : in.num_experts * (k - 1));
     const testing::ReferenceOutputs expected = testing::reference_inverse(in);
     std::size_t next = 0;
-    require_rows("restored_tokens", buffers.outputs[next++], expected.tokens, in.num_tokens,
-                 expected.specified_rows);
+    const std::int64_t rows = expected.specified_rows;
+    require_rows("restored_tokens", buffers.outputs[next++], expected.tokens, rows,
+                 in.token_row_bytes);
     if (arguments.scales) {
-      require_rows("restored_per_token_scales", buffers.outputs[next++], expected.scales,
-                   in.num_tokens, expected.specified_rows);
+      require_rows("restored_per_token_scales", buffers.outputs[next++], expected.scales, rows,
+                   in.scale_row_bytes);
     }
     if (arguments.weight) {
-      require_rows("restored_topk_weight", buffers.outputs[next++], expected.weight,
-                   in.num_tokens, expected.specified_rows);
+      require_rows("restored_topk_weight", buffers.outputs[next++], expected.weight, rows, 4);
     }
   }
 };

@@ -34,17 +34,14 @@ struct Forward {
     in.num_tokens = arguments.tokens.shape()[0];
     const testing::ReferenceOutputs expected = testing::reference_reroute(
         in, arguments.attributes.expert_token_num_type, arguments.attributes.idx_type);
-    // R, the output rows (rows are at least one byte: H >= 1).
-    const std::int64_t num_rows =
-        static_cast<std::int64_t>(buffers.outputs[0].size()) / row_bytes(arguments.tokens.spec);
-    require_rows("permute_tokens", buffers.outputs[0], expected.tokens, num_rows,
-                 expected.specified_rows);
-    require_rows("permute_per_token_scales", buffers.outputs[1], expected.scales, num_rows,
-                 expected.specified_rows);
+    const std::int64_t rows = expected.specified_rows;
+    require_rows("permute_tokens", buffers.outputs[0], expected.tokens, rows, in.token_row_bytes);
+    // Without scales the forward writes a zero float32 per row.
+    require_rows("permute_per_token_scales", buffers.outputs[1], expected.scales, rows,
+                 in.scales ? in.scale_row_bytes : 4);
     require_equal("permute_token_idx", buffers.outputs[2], expected.token_idx.data(),
                   expected.token_idx.size() * sizeof(std::int32_t));
-    require_rows("permute_topk_weight", buffers.outputs[4], expected.weight,
-                 arguments.weight ? num_rows : 0, expected.specified_rows);
+    require_rows("permute_topk_weight", buffers.outputs[4], expected.weight, rows, 4);
     const bool int32 = arguments.counts.dtype() == DType::kInt32;
     const std::vector<std::byte>& got = buffers.outputs[3];
     require(got.size() == expected.expert_token_num.size() * (int32 ? 4 : 8),
