@@ -12,7 +12,9 @@ of the same bytes), all in one process, contenders interleaved call by call.
 
 Each table is printed for torch's default allocator settings, then again in a
 child process with THP_MEM_ALLOC_ENABLE=1 (--allocator picks one). Prints
-medians, the ratios, and each row's slowest call over its median (outliers).
+medians, the ratios, each row's slowest timed call and its first call over
+its median (outliers; WARMUP_CALLS untimed calls come first), and at prefill
+one call of the operator and of clone after a few seconds idle.
 
     python bench/peers.py [--repeats N] [--only overhead|decode|prefill]
                           [--allocator default|thp|both]
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import platform
 import statistics
 import subprocess
@@ -58,19 +61,30 @@ def megatron_unfused(tokens, counts, scales, weight):
                  for chunks in (torch.split(t, split) for t in (tokens, scales, weight)))
 
 
+WARMUP_CALLS = 4
+
+
 def timings_us(fns, repeats):
-    """name -> (median, slowest) microseconds of fns[name](), the contenders
-    interleaved call by call so that a change in load hits all of them."""
-    for fn in fns.values():
-        fn()
-    times = {name: [] for name in fns}
+    """name -> (median, slowest, first) microseconds of fns[name](): the
+    contenders interleaved call by call so that a change in load hits all of
+    them, timed after WARMUP_CALLS calls each, the first of which is reported."""
     clock = time.perf_counter_ns
+    first = {}
+    for name, fn in fns.items():
+        start = clock()
+        fn()
+        first[name] = clock() - start
+    for _ in range(WARMUP_CALLS - 1):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             start = clock()
             fn()
             times[name].append(clock() - start)
-    return {name: (statistics.median(t) / 1e3, max(t) / 1e3) for name, t in times.items()}
+    return {name: (statistics.median(t) / 1e3, max(t) / 1e3, first[name] / 1e3)
+            for name, t in times.items()}
 
 
 def check(name, got, want):
@@ -82,12 +96,13 @@ def check(name, got, want):
 
 def print_table(title, times, baseline):
     print(f"\n{title}")
-    print(f"| {'method':<52} | {'median us':>10} | {'x ' + baseline:>22} | {'slowest/median':>14} |")
-    print(f"|{'-' * 54}|{'-' * 12}|{'-' * 24}|{'-' * 16}|")
+    print(f"| {'method':<52} | {'median us':>10} | {'x ' + baseline:>22} | {'slowest/median':>14} "
+          f"| {'first call/median':>17} |")
+    print(f"|{'-' * 54}|{'-' * 12}|{'-' * 24}|{'-' * 16}|{'-' * 19}|")
     base = times[baseline][0]
-    for name, (median, slowest) in times.items():
+    for name, (median, slowest, first) in times.items():
         print(f"| {name:<52} | {median:>10.1f} | {median / base:>22.2f} | "
-              f"{slowest / median:>14.1f} |")
+              f"{slowest / median:>14.1f} | {first / median:>17.1f} |")
 
 
 def overhead(repeats):
@@ -154,6 +169,27 @@ def prefill(repeats):
     }, repeats)
     print_table(f"prefill: A=16384 int8 H={HIDDEN}, f32 scales [A], weights [A,1], "
                 f"median of {repeats}", times, "clone (tokens, scales, weight)")
+    idle_calls_after_pause(times, {
+        "moe_reroute (torch)": lambda: moe_reroute.moe_re_routing(tokens, counts, **kwargs),
+        "clone (tokens, scales, weight)": lambda: [t.clone() for t in (tokens, scales, weight)],
+    })
+
+
+def idle_calls_after_pause(times, fns, pause_s=3.0):
+    """One call of each of `fns` after `pause_s` seconds idle, over its median:
+    in a VM whose kernel reports free memory to the hypervisor (free page
+    reporting), the freed output pages are handed back and fault in the host
+    on their next touch."""
+    report = pathlib.Path("/sys/module/page_reporting/parameters/page_reporting_order")
+    order = report.read_text().strip() if report.exists() else None
+    print(f"\nafter {pause_s:.0f} s idle (free page reporting: "
+          f"{f'on, blocks of 2^{order} pages' if order else 'off'}):")
+    for name, fn in fns.items():
+        time.sleep(pause_s)
+        start = time.perf_counter_ns()
+        fn()
+        elapsed = (time.perf_counter_ns() - start) / 1e3
+        print(f"  {name}: {elapsed / 1e3:.1f} ms, {elapsed / times[name][0]:.1f}x its median")
 
 
 def main():

@@ -368,7 +368,7 @@ TEST(Cli, BenchVerifiesAndEndsWithJson) {
   for (const char* key :
        {"\"op_s\": ", "\"copy_s\": ", "\"ratio\": ", "\"gather_s\": ", "\"streaming_stores\": ",
         "\"sweep\": [{\"A\": 7, ", "\"spare_rows_quarter_ratio\": ", "\"alignment_128_ratio\": ",
-        "\"pad_share\": ", "\"config\": {"}) {
+        "\"pad_share\": ", "\"pad_share_written\": ", "\"config\": {"}) {
     EXPECT_THAT(last, HasSubstr(key));
   }
   EXPECT_EQ(last.back(), '}');
