@@ -78,8 +78,12 @@ def timings_us(fns, repeats):
         for fn in fns.values():
             fn()
     times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    order = list(fns.items())
+    for round_ in range(repeats):
+        # A rotating order: no contender always follows the same one (whose
+        # frees decide where the allocator puts the next outputs).
+        shift = round_ % len(order)
+        for name, fn in order[shift:] + order[:shift]:
             start = clock()
             fn()
             times[name].append(clock() - start)

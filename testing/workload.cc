@@ -85,15 +85,33 @@ void fill_random(void* data, std::size_t bytes, std::uint64_t seed) {
   }
 }
 
-void parallel_copy(void* dst, const void* src, std::size_t bytes, int num_threads) {
+namespace {
+
+// Runs body(begin, end) on `num_threads` threads over equal contiguous slices
+// of [0, bytes), one each.
+template <typename Body>
+void for_each_slice(std::size_t bytes, int num_threads, const Body& body) {
   const std::size_t threads = static_cast<std::size_t>(std::max(1, num_threads));
 #pragma omp parallel for num_threads(num_threads) schedule(static, 1) if (num_threads > 1)
   for (std::size_t t = 0; t < threads; ++t) {
-    const std::size_t begin = bytes / threads * t + std::min(t, bytes % threads);
-    const std::size_t end = bytes / threads * (t + 1) + std::min(t + 1, bytes % threads);
+    body(bytes / threads * t + std::min(t, bytes % threads),
+         bytes / threads * (t + 1) + std::min(t + 1, bytes % threads));
+  }
+}
+
+}  // namespace
+
+void parallel_copy(void* dst, const void* src, std::size_t bytes, int num_threads) {
+  for_each_slice(bytes, num_threads, [&](std::size_t begin, std::size_t end) {
     std::memcpy(static_cast<std::byte*>(dst) + begin, static_cast<const std::byte*>(src) + begin,
                 end - begin);
-  }
+  });
+}
+
+void parallel_zero(void* dst, std::size_t bytes, int num_threads) {
+  for_each_slice(bytes, num_threads, [&](std::size_t begin, std::size_t end) {
+    std::memset(static_cast<std::byte*>(dst) + begin, 0, end - begin);
+  });
 }
 
 void per_row_gather(std::byte* dst, const std::byte* src, const std::int32_t* index,

@@ -42,6 +42,9 @@ void fill_random(void* data, std::size_t bytes, std::uint64_t seed);
 /// physical limit the operator is measured against.
 void parallel_copy(void* dst, const void* src, std::size_t bytes, int num_threads);
 
+/// Writes `bytes` zeros the same way: the limit of the pad rows at k > 1.
+void parallel_zero(void* dst, std::size_t bytes, int num_threads);
+
 /// Gathers rows one at a time by an index, the naive baseline.
 void per_row_gather(std::byte* dst, const std::byte* src, const std::int32_t* index,
                     std::int64_t num_rows, std::int64_t row_bytes);

@@ -377,14 +377,7 @@ int bench_command(const BenchOptions& o) {
   const std::int64_t pad_bytes = pad_rows * aligned_plan.bytes_per_row();
   // The pad rows' own limit: a plain memset of their bytes with the same threads.
   std::vector<std::byte> pad_zeros(static_cast<std::size_t>(pad_bytes));
-  const auto zero_pad = [&] {
-    const std::size_t bytes = pad_zeros.size(), parts = static_cast<std::size_t>(threads);
-#pragma omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1)
-    for (std::size_t t = 0; t < parts; ++t) {
-      const std::size_t begin = bytes / parts * t, end = t + 1 == parts ? bytes : begin + bytes / parts;
-      std::memset(pad_zeros.data() + begin, 0, end - begin);
-    }
-  };
+  const auto zero_pad = [&] { testing::parallel_zero(pad_zeros.data(), pad_zeros.size(), threads); };
   const std::vector<double> s = interleaved_medians(
       {[&] { full.call(threads); }, [&] { quarter.call(threads); },
        [&] { aligned.call(threads); }, zero_pad},
