@@ -186,8 +186,8 @@ def idle_calls_after_pause(times, fns, pause_s=3.0):
     on their next touch."""
     report = pathlib.Path("/sys/module/page_reporting/parameters/page_reporting_order")
     order = report.read_text().strip() if report.exists() else None
-    print(f"\nafter {pause_s:.0f} s idle (free page reporting: "
-          f"{f'on, blocks of 2^{order} pages' if order else 'off'}):")
+    print(f"\nafter {pause_s:.0f} s idle (kernel page_reporting_order: "
+          f"{order if order else 'none, no free page reporting'}):")
     for name, fn in fns.items():
         time.sleep(pause_s)
         start = time.perf_counter_ns()
