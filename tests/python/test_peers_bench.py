@@ -1,0 +1,40 @@
+"""bench/peers.py runs end to end: every contender is checked against
+index_select by the operator's index before it is timed (a mismatch exits
+non-zero), and each table has every row with its four figures."""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("moe_reroute._torch")
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "bench" / "peers.py"
+ROWS = {
+    "overhead": ["torch.index_select", "torch.ops.moe_reroute.moe_re_routing",
+                 "moe_reroute.moe_re_routing (inference_mode)"],
+    "decode": ["torch.index_select (tokens)", "moe_reroute (tokens, scales, weight)",
+               "moe_reroute out=", "megatron split+cat"],
+    "prefill": ["clone (tokens, scales, weight)", "moe_reroute (torch)", "moe_reroute (numpy)",
+                "numpy fancy index"],
+}
+
+
+def test_every_table_verifies_and_prints_each_row():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--repeats", "1", "--allocator", "default"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "allocator: torch default" in out
+    for table, names in ROWS.items():
+        assert f"\n{table}: " in out
+        for name in names:
+            row = re.search(rf"^\| {re.escape(name)} +\|(.*)\|$", out, re.MULTILINE)
+            assert row, f"{table}: no row {name!r}"
+            figures = [float(cell) for cell in row.group(1).split("|")]
+            assert len(figures) == 4 and all(f > 0 for f in figures), row.group(0)
+    idle = out[out.index("after 3 s idle"):]
+    assert re.search(r"moe_reroute \(torch\): [0-9.]+ ms, [0-9.]+x its median", idle)
