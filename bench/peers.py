@@ -161,7 +161,7 @@ def prefill(repeats):
     arrays = [t.numpy() for t in (tokens, counts, scales, weight)]
     np_index = index.numpy()
     del result
-    times = timings_us({
+    contenders = {
         "clone (tokens, scales, weight)": lambda: [t.clone() for t in (tokens, scales, weight)],
         "moe_reroute (torch)": lambda: moe_reroute.moe_re_routing(tokens, counts, **kwargs),
         "moe_reroute (numpy)": lambda: moe_reroute.moe_re_routing(
@@ -170,13 +170,12 @@ def prefill(repeats):
                                            for t in (tokens, scales, weight)],
         "numpy fancy index": lambda: [a[np_index] for a in (arrays[0], arrays[2], arrays[3])],
         "megatron split+cat": lambda: megatron_unfused(tokens, counts, scales, weight),
-    }, repeats)
+    }
+    times = timings_us(contenders, repeats)
     print_table(f"prefill: A=16384 int8 H={HIDDEN}, f32 scales [A], weights [A,1], "
                 f"median of {repeats}", times, "clone (tokens, scales, weight)")
-    idle_calls_after_pause(times, {
-        "moe_reroute (torch)": lambda: moe_reroute.moe_re_routing(tokens, counts, **kwargs),
-        "clone (tokens, scales, weight)": lambda: [t.clone() for t in (tokens, scales, weight)],
-    })
+    idle_calls_after_pause(times, {name: contenders[name] for name in (
+        "moe_reroute (torch)", "clone (tokens, scales, weight)")})
 
 
 def idle_calls_after_pause(times, fns, pause_s=3.0):

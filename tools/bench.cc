@@ -116,12 +116,17 @@ GatherBaseline gather_baseline(const testing::Workload& w, const Plan& plan) {
   return g;
 }
 
-// Bytes a call reads and writes: its valid input rows, every output row it
-// writes (pad rows included), the counts and expert_token_num.
+// Bytes of every output row a call writes (pad rows included).
+std::int64_t row_bytes_written(const Plan& plan) {
+  return plan.num_written_rows() * plan.bytes_per_row();
+}
+
+// Bytes a call reads and writes: its valid input rows, the output rows it
+// writes, the counts and expert_token_num.
 std::int64_t bytes_moved(const Plan& plan, const testing::WorkloadConfig& c) {
   const std::int64_t input_row_bytes =
       plan.token_row_bytes() + plan.scale_row_bytes() + plan.weight_row_bytes();
-  return plan.num_valid_rows() * input_row_bytes + plan.num_written_rows() * plan.bytes_per_row() +
+  return plan.num_valid_rows() * input_row_bytes + row_bytes_written(plan) +
          (c.num_ranks + 1) * c.num_experts * dtype_bytes(c.count_dtype, 1);
 }
 
@@ -386,8 +391,7 @@ int bench_command(const BenchOptions& o) {
   // against what it writes alone: the two readings of "its share".
   const double pad_share = static_cast<double>(pad_bytes) / static_cast<double>(full.bytes);
   const double pad_share_written =
-      static_cast<double>(pad_bytes) /
-      static_cast<double>(full.plan.num_written_rows() * full.plan.bytes_per_row());
+      static_cast<double>(pad_bytes) / static_cast<double>(row_bytes_written(full.plan));
   const double quarter_ratio = s[1] / s[0], aligned_ratio = s[2] / s[0];
   std::printf("\nstatic shapes (each against the full call, k = 1, in the same rounds):\n");
   std::printf("%-44s %12s %10s %s\n", "", "median ms", "x full", "target");
