@@ -51,13 +51,20 @@ void for_each_chunk(const Plan& plan, const Body& body) {
   const int num_threads = plan.num_threads();
   const std::vector<Chunk>& chunks = plan.chunks();
   const std::vector<std::int64_t>& thread_begin = plan.thread_begin();
-#pragma omp parallel for num_threads(num_threads) schedule(static, 1) if (num_threads > 1)
-  for (int t = 0; t < num_threads; ++t) {
+  const auto slice = [&](int t) {
     for (std::int64_t c = thread_begin[t]; c < thread_begin[t + 1]; ++c) {
       body(chunks[static_cast<std::size_t>(c)]);
     }
     detail::stream_fence();
+  };
+  // One thread runs here: libgomp's region costs a futex syscall even for a
+  // team of one (an `if` clause keeps the region).
+  if (num_threads == 1) {
+    slice(0);
+    return;
   }
+#pragma omp parallel for num_threads(num_threads) schedule(static, 1)
+  for (int t = 0; t < num_threads; ++t) slice(t);
 }
 
 void check_direction(const Plan& plan, Direction direction) {
