@@ -85,6 +85,16 @@ void fill_random(void* data, std::size_t bytes, std::uint64_t seed) {
   }
 }
 
+void for_each_thread(int num_threads, const std::function<void(int)>& body) {
+  // libgomp's region costs a futex syscall even for a team of one.
+  if (num_threads <= 1) {
+    body(0);
+    return;
+  }
+#pragma omp parallel for num_threads(num_threads) schedule(static, 1)
+  for (int t = 0; t < num_threads; ++t) body(t);
+}
+
 namespace {
 
 // Runs body(begin, end) on `num_threads` threads over equal contiguous slices
@@ -92,11 +102,11 @@ namespace {
 template <typename Body>
 void for_each_slice(std::size_t bytes, int num_threads, const Body& body) {
   const std::size_t threads = static_cast<std::size_t>(std::max(1, num_threads));
-#pragma omp parallel for num_threads(num_threads) schedule(static, 1) if (num_threads > 1)
-  for (std::size_t t = 0; t < threads; ++t) {
+  for_each_thread(num_threads, [&](int thread) {
+    const auto t = static_cast<std::size_t>(thread);
     body(bytes / threads * t + std::min(t, bytes % threads),
          bytes / threads * (t + 1) + std::min(t + 1, bytes % threads));
-  }
+  });
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,10 @@ std::string first_difference(const char* name, const std::vector<std::byte>& got
 
 /// Fills `bytes` with seeded random bytes (every bit pattern, NaNs included).
 void fill_random(void* data, std::size_t bytes, std::uint64_t seed);
+
+/// Runs body(t) for every t in [0, num_threads), one OpenMP thread each, as
+/// the operator runs its plan: one thread runs inline, with no parallel region.
+void for_each_thread(int num_threads, const std::function<void(int)>& body);
 
 /// Copies `bytes` with `num_threads` threads, one contiguous slice each: the
 /// physical limit the operator is measured against.

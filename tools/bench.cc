@@ -5,8 +5,6 @@
 // smaller A, across the last-level cache (where streaming stores pay); and the
 // static-shape costs (a quarter of A valid; expert_alignment 128 against 1).
 
-#include <omp.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -74,15 +72,14 @@ struct GatherBaseline {
 
   void run(int num_threads) {
     const auto num_rows = static_cast<std::int64_t>(index.size());
-#pragma omp parallel for num_threads(num_threads) schedule(static, 1) if (num_threads > 1)
-    for (int t = 0; t < num_threads; ++t) {
+    testing::for_each_thread(num_threads, [&](int t) {
       const std::int64_t begin = num_rows * t / num_threads;
       const std::int64_t end = num_rows * (t + 1) / num_threads;
       for (Stream& s : streams) {
         testing::per_row_gather(s.dst.data() + begin * s.row_bytes, s.src, index.data() + begin,
                                 end - begin, s.row_bytes);
       }
-    }
+    });
   }
 };
 
