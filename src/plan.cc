@@ -296,13 +296,16 @@ struct PlanBuilder {
     const std::int64_t num_ranks = plan.num_ranks_;
     const std::int64_t num_experts = plan.num_experts_;
     const std::int64_t k = plan.attributes_.expert_alignment;
-    const std::vector<std::int64_t>& counts = plan.counts_;
-    plan.src_offset_.assign(counts.size(), 0);
-    plan.dst_offset_.assign(counts.size(), 0);
-    plan.expert_token_num_.assign(static_cast<std::size_t>(num_experts), 0);
+    const std::int64_t* counts = plan.counts_.data();
+    const std::size_t size = plan.counts_.size();
+    plan.src_offset_.resize(size);
+    plan.dst_offset_.resize(size);
+    plan.expert_token_num_.resize(static_cast<std::size_t>(num_experts));
+    std::int64_t* src_offset = plan.src_offset_.data();
+    std::int64_t* dst_offset = plan.dst_offset_.data();
     std::int64_t row = 0;
-    for (std::size_t b = 0; b < counts.size(); ++b) {
-      plan.src_offset_[b] = row;
+    for (std::size_t b = 0; b < size; ++b) {
+      src_offset[b] = row;
       row += counts[b];
     }
     plan.num_valid_rows_ = row;
@@ -310,19 +313,15 @@ struct PlanBuilder {
     const bool cumsum = plan.attributes_.expert_token_num_type == kExpertTokenNumCumsum;
     for (std::int64_t e = 0; e < num_experts; ++e) {
       const std::int64_t segment = row;
-      for (std::int64_t r = 0; r < num_ranks; ++r) {
-        plan.dst_offset_[block(plan, r, e)] = row;
-        row += counts[block(plan, r, e)];
+      for (std::int64_t b = e; b < num_ranks * num_experts; b += num_experts) {
+        dst_offset[b] = row;
+        row += counts[b];
       }
       const std::int64_t total = row - segment;
       row = segment + (total + k - 1) / k * k;
       plan.expert_token_num_[static_cast<std::size_t>(e)] = cumsum ? row : total;
     }
     plan.num_padded_rows_ = row;
-  }
-
-  static std::size_t block(const Plan& plan, std::int64_t rank, std::int64_t expert) {
-    return static_cast<std::size_t>(rank * plan.num_experts_ + expert);
   }
 
   // The chunks: every run of rows in the order its destination rows are
@@ -342,45 +341,51 @@ struct PlanBuilder {
       return rows / threads * (t + 1) + std::min<std::int64_t>(t + 1, rows % threads);
     };
 
-    plan.chunks_.clear();
-    plan.chunks_.reserve(plan.counts_.size() * (forward ? 2 : 1) +
-                         static_cast<std::size_t>(threads));
-    plan.thread_begin_.reserve(static_cast<std::size_t>(threads) + 1);
-    plan.thread_begin_.assign(1, 0);
+    std::vector<Chunk>& chunks = plan.chunks_;
+    std::vector<std::int64_t>& thread_begin = plan.thread_begin_;
+    chunks.clear();
+    chunks.reserve(plan.counts_.size() * (forward ? 2 : 1) + static_cast<std::size_t>(threads));
+    thread_begin.reserve(static_cast<std::size_t>(threads) + 1);
+    thread_begin.assign(1, 0);
     std::int64_t thread_end = end_row(0);
     const auto emit = [&](std::int64_t src_row, std::int64_t dst_row, std::int64_t num_rows) {
-      for (std::int64_t taken = 0; taken < num_rows;) {
-        const std::int64_t run = std::min(num_rows - taken, thread_end - (dst_row + taken));
-        plan.chunks_.push_back({src_row == kPadRows ? kPadRows : src_row + taken,
-                                dst_row + taken, run});
-        taken += run;
-        if (dst_row + taken == thread_end) {
-          plan.thread_begin_.push_back(static_cast<std::int64_t>(plan.chunks_.size()));
-          thread_end = end_row(static_cast<std::int64_t>(plan.thread_begin_.size()) - 1);
+      while (num_rows > 0) {
+        const std::int64_t run = std::min(num_rows, thread_end - dst_row);
+        chunks.push_back({src_row, dst_row, run});
+        if (src_row != kPadRows) src_row += run;
+        dst_row += run;
+        num_rows -= run;
+        if (dst_row == thread_end) {
+          thread_begin.push_back(static_cast<std::int64_t>(chunks.size()));
+          thread_end = end_row(static_cast<std::int64_t>(thread_begin.size()) - 1);
         }
       }
     };
+    // Locals, not members: the chunk stores would make the compiler reload these.
+    const std::int64_t* counts = plan.counts_.data();
+    const std::int64_t* src_offset = plan.src_offset_.data();
+    const std::int64_t* dst_offset = plan.dst_offset_.data();
+    const std::int64_t num_ranks = plan.num_ranks_;
+    const std::int64_t num_experts = plan.num_experts_;
     if (forward) {
-      for (std::int64_t e = 0; e < plan.num_experts_; ++e) {
-        std::int64_t end = plan.dst_offset_[block(plan, 0, e)];
-        for (std::int64_t r = 0; r < plan.num_ranks_; ++r) {
-          const std::size_t b = block(plan, r, e);
-          emit(plan.src_offset_[b], plan.dst_offset_[b], plan.counts_[b]);
-          end = plan.dst_offset_[b] + plan.counts_[b];
+      for (std::int64_t e = 0; e < num_experts; ++e) {
+        for (std::int64_t b = e; b < num_ranks * num_experts; b += num_experts) {
+          emit(src_offset[b], dst_offset[b], counts[b]);
         }
+        const std::int64_t last = (num_ranks - 1) * num_experts + e;
+        const std::int64_t end = dst_offset[last] + counts[last];
         const std::int64_t segment_end =
-            e + 1 < plan.num_experts_ ? plan.dst_offset_[block(plan, 0, e + 1)]
-                                      : plan.num_padded_rows_;
+            e + 1 < num_experts ? dst_offset[e + 1] : plan.num_padded_rows_;
         emit(kPadRows, end, segment_end - end);
       }
     } else {
       for (std::size_t b = 0; b < plan.counts_.size(); ++b) {
-        emit(plan.dst_offset_[b], plan.src_offset_[b], plan.counts_[b]);
+        emit(dst_offset[b], src_offset[b], counts[b]);
       }
     }
     // No rows: the one thread has no chunks.
-    plan.thread_begin_.resize(static_cast<std::size_t>(threads) + 1,
-                              static_cast<std::int64_t>(plan.chunks_.size()));
+    thread_begin.resize(static_cast<std::size_t>(threads) + 1,
+                        static_cast<std::int64_t>(chunks.size()));
   }
 };
 

@@ -20,6 +20,7 @@ from ._core import __version__
 if (importlib.util.find_spec("torch") is not None
         and pathlib.Path(__file__).with_name("_torch_ops.so").exists()):
     from . import _torch
+    _TENSOR = _torch.torch.Tensor  # looked up once: the check runs on every call
 else:
     _torch = None
 
@@ -58,10 +59,11 @@ def cuda_check() -> None:
 def _is_torch(array) -> bool:
     """Whether `array` is a torch tensor (raising where this build has no
     torch operators), without importing torch for NumPy calls."""
-    if not type(array).__module__.startswith("torch"):
-        return False
-    _ops()
-    return isinstance(array, _torch.torch.Tensor)
+    if _torch is not None:
+        return isinstance(array, _TENSOR)
+    if type(array).__module__.startswith("torch"):
+        _ops()
+    return False
 
 
 def moe_re_routing(tokens, expert_token_num_per_rank, *, per_token_scales=None,
