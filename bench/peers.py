@@ -195,6 +195,14 @@ def idle_calls_after_pause(times, fns, pause_s=3.0):
         print(f"  {name}: {elapsed / 1e3:.1f} ms, {elapsed / times[name][0]:.1f}x its median")
 
 
+def cpu_model():
+    """The processor's name (/proc/cpuinfo): one VM image runs on several hosts."""
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor() or platform.machine()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=40)
@@ -207,7 +215,7 @@ def main():
         raise SystemExit(subprocess.call([sys.executable, *sys.argv], env=env))
     print(f"\n## allocator: {'THP_MEM_ALLOC_ENABLE=1' if thp else 'torch default'} "
           f"(moe_reroute {moe_reroute.__version__}, torch {torch.__version__}, "
-          f"{platform.machine()}, {os.cpu_count()} CPUs, torch threads "
+          f"{cpu_model()}, {os.cpu_count()} CPUs, torch threads "
           f"{torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f})")
     if args.only in (None, "overhead"):
         overhead(max(args.repeats, 5000))

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <fstream>
 #include <iostream>
 #include <memory>
 #include <sstream>
@@ -251,6 +252,20 @@ double load_average() {
   return getloadavg(&load, 1) == 1 ? load : 0.0;
 }
 
+// The processor's name from /proc/cpuinfo ("model name"), or "an unnamed CPU":
+// the same VM image runs on different hosts, and the tables depend on it.
+std::string cpu_model() {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  const std::string key = "model name";
+  for (std::string line; std::getline(cpuinfo, line);) {
+    const std::size_t colon = line.find(':');
+    if (line.starts_with(key) && colon != std::string::npos && colon + 2 <= line.size()) {
+      return line.substr(colon + 2);
+    }
+  }
+  return "an unnamed CPU";
+}
+
 }  // namespace
 
 int bench_command(const BenchOptions& o) {
@@ -407,8 +422,8 @@ int bench_command(const BenchOptions& o) {
 
   // Other processes on the cores stall every fork and join of a threaded call.
   const double end_load = load_average();
-  std::printf("\nload average %.2f at the start, %.2f at the end, on %d hardware threads%s\n",
-              start_load, end_load, hardware_threads(),
+  std::printf("\nload average %.2f at the start, %.2f at the end, on %d hardware threads of %s%s\n",
+              start_load, end_load, hardware_threads(), cpu_model().c_str(),
               start_load > 0.5 * hardware_threads()
                   ? ": other processes shared the cores, the times are not trustworthy"
                   : "");
