@@ -361,6 +361,7 @@ TEST(Cli, BenchVerifiesAndEndsWithJson) {
   EXPECT_THAT(result.out, HasSubstr("when streaming stores pay"));
   EXPECT_THAT(result.out, HasSubstr("A/4 valid rows (allow_spare_rows)"));
   EXPECT_THAT(result.out, HasSubstr("expert_alignment 128, same counts"));
+  EXPECT_THAT(result.out, HasSubstr(" hardware threads of "));  // and the processor's name
   EXPECT_THAT(result.err, HasSubstr("verifying"));
   const std::string trimmed = result.out.substr(0, result.out.size() - 1);
   const std::string last = trimmed.substr(trimmed.rfind('\n') + 1);
