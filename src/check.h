@@ -87,6 +87,13 @@ MOE_REROUTE_API std::vector<NamedView> named_outputs(const InverseInputs& inputs
 /// Rule 10 and the plan's contract: every input and output has the spec the
 /// plan holds for it, data is non-null where bytes are moved, and no output
 /// overlaps an input or another output. Throws Error.
+/// plan_reroute and plan_inverse into `plan`, whose vectors keep their memory
+/// (the one-shot calls reuse one plan per thread: no allocation per call).
+void plan_reroute(Plan& plan, const RerouteInputs& inputs, const Attributes& attributes,
+                  int num_threads);
+void plan_inverse(Plan& plan, const InverseInputs& inputs, const Attributes& attributes,
+                  int num_threads);
+
 MOE_REROUTE_API void check_run_arguments(const std::vector<TensorSpec>& input_specs,
                          const std::vector<NamedView>& inputs,
                          const std::vector<TensorSpec>& output_specs,

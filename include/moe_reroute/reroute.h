@@ -189,7 +189,9 @@ MOE_REROUTE_API void run_reroute(const Plan& plan, const RerouteInputs& inputs,
 MOE_REROUTE_API void run_inverse(const Plan& plan, const InverseInputs& inputs,
                                  const InverseOutputs& outputs);
 
-/// Plan and run in one call.
+/// Plan and run in one call. Each thread plans into one plan of its own,
+/// kept between calls so that its memory is reused: it holds the largest
+/// N * E this thread has called with (about 100 bytes per count).
 MOE_REROUTE_API void moe_re_routing(const RerouteInputs& inputs, const RerouteOutputs& outputs,
                                     const Attributes& attributes = {}, int num_threads = 0);
 MOE_REROUTE_API void moe_re_routing_inverse(const InverseInputs& inputs,

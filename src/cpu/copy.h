@@ -14,6 +14,17 @@
 
 namespace moe_reroute::detail {
 
+// Copies `bytes` (sizeof(Word) to 2 * sizeof(Word)) as the first and the last
+// Word, which overlap when bytes < 2 * sizeof(Word).
+template <typename Word>
+void copy_ends(std::byte* dst, const std::byte* src, std::size_t bytes) {
+  Word head, tail;
+  std::memcpy(&head, src, sizeof(Word));
+  std::memcpy(&tail, src + bytes - sizeof(Word), sizeof(Word));
+  std::memcpy(dst, &head, sizeof(Word));
+  std::memcpy(dst + bytes - sizeof(Word), &tail, sizeof(Word));
+}
+
 #if defined(__x86_64__)
 
 // Copies whole 64-byte groups of 16-byte vectors; returns the bytes copied.
@@ -48,6 +59,18 @@ std::size_t copy_vectors(std::byte* dst, const std::byte* src, std::size_t bytes
 /// destination will not be read soon, so write around the cache; the thread
 /// must call stream_fence() before its writes are read elsewhere.
 inline void copy_bytes(std::byte* dst, const std::byte* src, std::size_t bytes, bool stream) {
+  // A few scale or weight rows: two overlapping loads and stores here cost less
+  // than the call into glibc's memcpy, which a decode call makes hundreds of.
+  if (bytes <= 16) {
+    if (bytes >= 8) {
+      copy_ends<std::uint64_t>(dst, src, bytes);
+    } else if (bytes >= 4) {
+      copy_ends<std::uint32_t>(dst, src, bytes);
+    } else {
+      for (std::size_t i = 0; i < bytes; ++i) dst[i] = src[i];
+    }
+    return;
+  }
 #if defined(__x86_64__)
   // Streaming stores skip the read for ownership of each destination line: a
   // third less DRAM traffic once the output cannot stay in the cache.

@@ -159,5 +159,35 @@ TEST_P(RoundTrip, InverseOfForwardRestoresEveryInputByte) {
 INSTANTIATE_TEST_SUITE_P(EveryTokenDType, RoundTrip, ValuesIn(token_dtypes()),
                          DTypeParamName());
 
+// The one-shot calls plan into one plan kept per thread: each call after a
+// bigger one (4096 blocks, scales, weights, 4 threads) or a differently
+// shaped one must carry nothing over from it, in either direction.
+TEST(OneShotCalls, CarryNothingFromTheCallBefore) {
+  const std::vector<Edge> shapes = edges();
+  const auto edge = [&](const std::string& name) {
+    for (const Edge& e : shapes) {
+      if (e.name == name) return e;
+    }
+    ADD_FAILURE() << "no edge shape " << name;
+    return shapes.front();
+  };
+  Case bare = random_case(DType::kBFloat16, ScaleForm::kNone, 5);
+  bare.config.has_weight = false;
+  bare.weight = WeightForm::kNone;
+  const std::vector<std::tuple<Direction, Case, int>> calls = {
+      {Direction::kForward, edge_case(edge("sparse_64x64_counts"), DType::kInt8, 1), 4},
+      {Direction::kForward, bare, 1},
+      {Direction::kInverse, edge_case(edge("skewed_counts"), DType::kFloat32, 2), 2},
+      {Direction::kForward, edge_case(edge("one_rank_one_expert"), DType::kFloat16, 3), 2},
+      {Direction::kInverse, bare, 1},
+      {Direction::kForward, random_case(DType::kFloat8E4M3FN, ScaleForm::kE8m0A, 6), 3}};
+  for (int round = 0; round < 2; ++round) {
+    for (const auto& [direction, c, threads] : calls) {
+      SCOPED_TRACE(direction_name(direction) + " " + c.to_string());
+      EXPECT_EQ(difference(direction, c, threads), "");
+    }
+  }
+}
+
 }  // namespace
 }  // namespace moe_reroute::test
