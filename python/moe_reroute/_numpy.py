@@ -20,13 +20,26 @@ def check_array(array, name: str):
     return array
 
 
+# dtype -> (its name, its bits, the unsigned dtype of its width): numpy's
+# dtype.name is built by Python code on every access, a few us each.
+_STORAGE = {}
+
+
+def storage(dtype, name: str):
+    """(name, bits, unsigned storage dtype) of `dtype`; TypeError naming `name`
+    for a width the core has no storage for."""
+    info = _STORAGE.get(dtype)
+    if info is None:
+        if dtype.itemsize not in (1, 2, 4, 8) or dtype.hasobject:
+            raise TypeError(f"{name}: dtype {dtype.name} is not supported")
+        info = _STORAGE[dtype] = (dtype.name, 8 * dtype.itemsize, np.dtype(f"u{dtype.itemsize}"))
+    return info
+
+
 def describe(array, name: str):
     """(name, storage dtype name, bits, shape, unsigned storage) of an ndarray."""
-    check_array(array, name)
-    itemsize = array.dtype.itemsize
-    if itemsize not in (1, 2, 4, 8) or array.dtype.hasobject:
-        raise TypeError(f"{name}: dtype {array.dtype.name} is not supported")
-    return (name, array.dtype.name, 8 * itemsize, array.shape, array.view(f"u{itemsize}"))
+    dtype_name, bits, unsigned = storage(check_array(array, name).dtype, name)
+    return (name, dtype_name, bits, array.shape, array.view(unsigned))
 
 
 def inputs(arrays) -> list:
