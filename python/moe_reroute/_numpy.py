@@ -1,6 +1,7 @@
 """NumPy arrays (ml_dtypes ones included) to the C++ core: each array goes as
-unsigned storage of its width plus its dtype's name, which the core's table
-reads; outputs are allocated from the core's specs."""
+itself, its bytes read through the buffer protocol, plus its dtype's name and
+width, which the core's table reads; outputs are allocated from the core's
+specs."""
 
 from __future__ import annotations
 
@@ -20,26 +21,25 @@ def check_array(array, name: str):
     return array
 
 
-# dtype -> (its name, its bits, the unsigned dtype of its width): numpy's
-# dtype.name is built by Python code on every access, a few us each.
+# dtype -> (its name, its bits): numpy's dtype.name is built by Python code on
+# every access, a few us each.
 _STORAGE = {}
 
 
 def storage(dtype, name: str):
-    """(name, bits, unsigned storage dtype) of `dtype`; TypeError naming `name`
-    for a width the core has no storage for."""
+    """(name, bits) of `dtype`; TypeError naming `name` for a width the core
+    has no storage for."""
     info = _STORAGE.get(dtype)
     if info is None:
         if dtype.itemsize not in (1, 2, 4, 8) or dtype.hasobject:
             raise TypeError(f"{name}: dtype {dtype.name} is not supported")
-        info = _STORAGE[dtype] = (dtype.name, 8 * dtype.itemsize, np.dtype(f"u{dtype.itemsize}"))
+        info = _STORAGE[dtype] = (dtype.name, 8 * dtype.itemsize)
     return info
 
 
 def describe(array, name: str):
-    """(name, storage dtype name, bits, shape, unsigned storage) of an ndarray."""
-    dtype_name, bits, unsigned = storage(check_array(array, name).dtype, name)
-    return (name, dtype_name, bits, array.shape, array.view(unsigned))
+    """(name, storage dtype name, bits, shape, array) of an ndarray."""
+    return (name, *storage(check_array(array, name).dtype, name), array.shape, array)
 
 
 def inputs(arrays) -> list:

@@ -4,12 +4,12 @@
 // TypeError / ValueError / RuntimeError by their kind, naming the argument.
 
 #include <nanobind/nanobind.h>
-#include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -24,40 +24,61 @@ namespace {
 
 using adapter::fail;
 
+// A NumPy array's bytes through the buffer protocol, held until the argument
+// is dropped. No format is asked for, so ml_dtypes arrays qualify too, and no
+// contiguity, so that check_contiguous can name the argument.
+struct BufferRelease {
+  void operator()(Py_buffer* view) const {
+    PyBuffer_Release(view);
+    delete view;
+  }
+};
+using Buffer = std::unique_ptr<Py_buffer, BufferRelease>;
+
+Buffer buffer_of(nb::handle array, bool writable) {
+  auto view = std::make_unique<Py_buffer>();
+  if (PyObject_GetBuffer(array.ptr(), view.get(), PyBUF_STRIDES | (writable ? PyBUF_WRITABLE : 0)) != 0) {
+    throw nb::python_error();
+  }
+  return Buffer(view.release());
+}
+
 // An argument as the Python layer hands it over: None, or (name, storage
-// dtype name, storage bits, shape, data) where data is a C-contiguous NumPy
-// array of unsigned storage, or None for shape inference alone.
+// dtype name, storage bits, shape, data) where data is the NumPy array itself,
+// or None for shape inference alone.
 struct Arg {
   std::string name;
   std::string storage;
   int bits = 0;
   std::vector<std::int64_t> shape;
-  std::optional<nb::ndarray<nb::ro>> data;
+  Buffer data;
 };
 
-void check_contiguous(const nb::ndarray<nb::ro>& array, const std::string& name) {
-  std::int64_t expected = 1;
-  for (std::size_t d = array.ndim(); d-- > 0 && array.size() > 0;) {
-    if (array.shape(d) != 1 && array.stride(d) != expected) {
+void check_contiguous(const Py_buffer& view, const std::string& name) {
+  Py_ssize_t expected = view.itemsize;
+  if (view.len == 0) return;
+  for (int d = view.ndim; d-- > 0;) {
+    if (view.shape[d] != 1 && view.strides[d] != expected) {
       fail(ErrorCode::kInvalidArgument,
            name + ": must be contiguous (dense row-major); got strides that are not");
     }
-    expected *= static_cast<std::int64_t>(array.shape(d));
+    expected *= view.shape[d];
   }
 }
 
-std::optional<Arg> arg_of(nb::handle object) {
+// `writable`: the argument is an output.
+std::optional<Arg> arg_of(nb::handle object, bool writable) {
   if (object.is_none()) return std::nullopt;
   const nb::tuple fields = nb::cast<nb::tuple>(object);
   Arg arg{nb::cast<std::string>(fields[0]), nb::cast<std::string>(fields[1]),
-          nb::cast<int>(fields[2]), nb::cast<std::vector<std::int64_t>>(fields[3]), std::nullopt};
-  if (!fields[4].is_none()) arg.data = nb::cast<nb::ndarray<nb::ro>>(fields[4]);
+          nb::cast<int>(fields[2]), nb::cast<std::vector<std::int64_t>>(fields[3]), nullptr};
+  if (!fields[4].is_none()) arg.data = buffer_of(fields[4], writable);
   return arg;
 }
 
 TensorView view(const Arg& arg, const std::optional<std::string>& logical, const char* logical_arg) {
   if (arg.data) check_contiguous(*arg.data, arg.name);
-  return adapter::core_view(arg.data ? arg.data->data() : nullptr, {arg.storage, arg.bits},
+  return adapter::core_view(arg.data ? arg.data->buf : nullptr, {arg.storage, arg.bits},
                             arg.shape, arg.name.c_str(), logical, logical_arg);
 }
 
@@ -68,7 +89,7 @@ struct Inputs {
   std::optional<std::string> scales_dtype;
 
   Inputs(const nb::sequence& inputs, const std::optional<std::string>& tokens_name) {
-    for (nb::handle item : inputs) args.push_back(arg_of(item));
+    for (nb::handle item : inputs) args.push_back(arg_of(item, /*writable=*/false));
     if (args.size() != 4 || !args[0] || !args[1]) {
       fail(ErrorCode::kInvalidArgument, "inputs: expected (tokens, counts, scales, weight)");
     }
@@ -127,7 +148,7 @@ nb::list infer_backward(const nb::sequence& inputs, const std::optional<std::str
 
 std::vector<std::optional<Arg>> outputs_of(const nb::sequence& outputs, std::size_t count) {
   std::vector<std::optional<Arg>> args;
-  for (nb::handle item : outputs) args.push_back(arg_of(item));
+  for (nb::handle item : outputs) args.push_back(arg_of(item, /*writable=*/true));
   if (args.size() != count) {
     fail(ErrorCode::kInvalidArgument, "out: expected " + std::to_string(count) + " outputs");
   }
