@@ -1,7 +1,7 @@
 """NumPy arrays (ml_dtypes ones included) to the C++ core: each array goes as
 itself, its bytes read through the buffer protocol, plus its dtype's name and
-width, which the core's table reads; outputs are allocated from the core's
-specs."""
+width, which the core's table reads; the core allocates the outputs by its
+own specs."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from . import _bridge, _core
 
 FORWARD_OUTPUT_NAMES = ("permute_tokens", "permute_per_token_scales", "permute_token_idx",
                         "expert_token_num", "permute_topk_weight")
-INVERSE_OUTPUT_NAMES = ("restored_tokens", "restored_per_token_scales", "restored_topk_weight")
 
 
 def check_array(array, name: str):
@@ -58,35 +57,16 @@ def outputs(arrays, names) -> list:
     return described
 
 
-def allocate(specs, arrays, pairs) -> list:
-    """Empty outputs for the core's specs: stored like their paired input, or
-    in the spec's own dtype."""
-    outputs = []
-    for i, (dtype_name, shape) in enumerate(specs):
-        source = arrays[pairs[i]] if i in pairs else None
-        if source is not None:
-            outputs.append(np.empty(_bridge.stored_like(shape, source.shape), source.dtype))
-        else:
-            outputs.append(np.empty(shape, np.dtype(_bridge.row(dtype_name)["npy_storage"])))
-    return outputs
-
-
 def reroute(arrays, tokens_dtype, attributes, out):
+    """The forward into `out` (checked, described) or, without it, into fresh
+    arrays that the core allocates by its own specs."""
     tokens_dtype = _bridge.tokens_name(tokens_dtype)
     described = inputs(arrays)
-    if out is None:
-        specs = _core.infer_reroute(described, tokens_dtype=tokens_dtype, **attributes)
-        out = allocate(specs, arrays, _bridge.FORWARD_PAIRS)
-    _core.reroute(described, outputs(out, FORWARD_OUTPUT_NAMES),
-                  tokens_dtype=tokens_dtype, **attributes)
-    return tuple(out)
+    if out is not None:
+        out = outputs(out, FORWARD_OUTPUT_NAMES)
+    return _core.reroute(described, out, tokens_dtype=tokens_dtype, **attributes)
 
 
 def inverse(arrays, tokens_dtype, attributes):
     tokens_dtype = _bridge.tokens_name(tokens_dtype)
-    described = inputs(arrays)
-    specs = _core.infer_inverse(described, tokens_dtype=tokens_dtype, **attributes)
-    out = allocate(specs, arrays, _bridge.INVERSE_PAIRS)
-    _core.inverse(described, outputs(out, INVERSE_OUTPUT_NAMES),
-                  tokens_dtype=tokens_dtype, **attributes)
-    return tuple(out)
+    return _core.inverse(inputs(arrays), tokens_dtype=tokens_dtype, **attributes)

@@ -146,50 +146,116 @@ nb::list infer_backward(const nb::sequence& inputs, const std::optional<std::str
                      specs.restored_topk_weight.value_or(absent)});
 }
 
-std::vector<std::optional<Arg>> outputs_of(const nb::sequence& outputs, std::size_t count) {
+// numpy.empty, looked up once and never released: a static Python object
+// must not outlive the interpreter.
+nb::handle numpy_empty() {
+  static const nb::handle empty = nb::object(nb::module_::import_("numpy").attr("empty")).release();
+  return empty;
+}
+
+// Fresh NumPy arrays for the outputs of one call, each appended to `arrays`
+// and returned described.
+struct Allocation {
+  nb::list arrays;
+
+  // An output of `spec` named `name`: stored like `input` (its dtype, its
+  // trailing dims) when given, else in the spec's dtype.
+  std::optional<Arg> operator()(const TensorSpec& spec, const std::optional<Arg>& input,
+                                const char* name) {
+    Arg arg;
+    arg.name = name;
+    nb::object dtype;
+    if (input) {
+      arg.storage = input->storage;
+      arg.bits = input->bits;
+      arg.shape = adapter::stored_like(spec, input->shape);
+      dtype = nb::handle(input->data->obj).attr("dtype");
+    } else {
+      const DTypeInfo& info = dtype_info(spec.dtype);
+      arg.storage = info.name;
+      arg.bits = info.bits;
+      arg.shape.assign(spec.shape.dims.begin(), spec.shape.dims.begin() + spec.shape.ndim);
+      dtype = nb::str(info.npy_storage.data(), info.npy_storage.size());
+    }
+    const nb::object array = numpy_empty()(nb::cast(arg.shape), dtype);
+    arrays.append(array);
+    arg.data = buffer_of(array, /*writable=*/true);
+    return arg;
+  }
+};
+
+// The outputs the caller gave (described, `count` of them), each appended to `arrays`.
+std::vector<std::optional<Arg>> outputs_of(const nb::sequence& outputs, std::size_t count,
+                                           nb::list& arrays) {
   std::vector<std::optional<Arg>> args;
-  for (nb::handle item : outputs) args.push_back(arg_of(item, /*writable=*/true));
+  for (nb::handle item : outputs) {
+    args.push_back(arg_of(item, /*writable=*/true));
+    arrays.append(nb::cast<nb::tuple>(item)[4]);
+  }
   if (args.size() != count) {
     fail(ErrorCode::kInvalidArgument, "out: expected " + std::to_string(count) + " outputs");
   }
   return args;
 }
 
-void run_forward(const nb::sequence& inputs, const nb::sequence& outputs,
-                 const std::optional<std::string>& tokens_dtype, int expert_token_num_type,
-                 int idx_type, std::int64_t expert_alignment, bool allow_spare_rows,
-                 int num_threads) {
+nb::tuple run_forward(const nb::sequence& inputs, const std::optional<nb::sequence>& outputs,
+                      const std::optional<std::string>& tokens_dtype, int expert_token_num_type,
+                      int idx_type, std::int64_t expert_alignment, bool allow_spare_rows,
+                      int num_threads) {
   const Inputs call(inputs, tokens_dtype);
-  const std::vector<std::optional<Arg>> out = outputs_of(outputs, 5);
-  const std::optional<std::string> out_scales = call.args[2] ? call.scales_dtype : std::nullopt;
   const RerouteInputs views = call.views<RerouteInputs>();
+  const Attributes attributes =
+      attributes_of(expert_token_num_type, idx_type, expert_alignment, allow_spare_rows);
+  Allocation fresh;
+  std::vector<std::optional<Arg>> out;
+  if (outputs) {
+    out = outputs_of(*outputs, 5, fresh.arrays);
+  } else {
+    const RerouteOutputSpecs specs = infer_reroute(views, attributes);
+    out.push_back(fresh(specs.permute_tokens, call.args[0], "permute_tokens"));
+    out.push_back(fresh(specs.permute_per_token_scales, call.args[2], "permute_per_token_scales"));
+    out.push_back(fresh(specs.permute_token_idx, std::nullopt, "permute_token_idx"));
+    out.push_back(fresh(specs.expert_token_num, std::nullopt, "expert_token_num"));
+    out.push_back(fresh(specs.permute_topk_weight, call.args[3], "permute_topk_weight"));
+  }
+  const std::optional<std::string> out_scales = call.args[2] ? call.scales_dtype : std::nullopt;
   const RerouteOutputs out_views{view(*out[0], tokens_dtype, "permute_tokens"),
                                  view(*out[1], out_scales, "permute_per_token_scales"),
                                  view(*out[2], std::nullopt, ""), view(*out[3], std::nullopt, ""),
                                  view(*out[4], std::nullopt, "")};
-  nb::gil_scoped_release release;
-  moe_re_routing(views, out_views,
-                 attributes_of(expert_token_num_type, idx_type, expert_alignment, allow_spare_rows),
-                 num_threads);
+  {
+    nb::gil_scoped_release release;
+    moe_re_routing(views, out_views, attributes, num_threads);
+  }
+  return nb::tuple(fresh.arrays);
 }
 
-void run_backward(const nb::sequence& inputs, const nb::sequence& outputs,
-                  const std::optional<std::string>& tokens_dtype, std::int64_t expert_alignment,
-                  bool allow_spare_rows, int num_threads) {
+nb::tuple run_backward(const nb::sequence& inputs, const std::optional<std::string>& tokens_dtype,
+                       std::int64_t expert_alignment, bool allow_spare_rows, int num_threads) {
   const Inputs call(inputs, tokens_dtype);
-  const std::vector<std::optional<Arg>> out = outputs_of(outputs, 3);
   const InverseInputs views = call.views<InverseInputs>();
+  const Attributes attributes =
+      attributes_of(kExpertTokenNumCount, kIdxGather, expert_alignment, allow_spare_rows);
+  const InverseOutputSpecs specs = infer_inverse(views, attributes);
+  const TensorSpec absent = adapter::absent_spec();
+  Allocation fresh;
+  std::vector<std::optional<Arg>> out;
+  out.push_back(fresh(specs.restored_tokens, call.args[0], "restored_tokens"));
+  out.push_back(fresh(specs.restored_per_token_scales.value_or(absent), call.args[2],
+                      "restored_per_token_scales"));
+  out.push_back(
+      fresh(specs.restored_topk_weight.value_or(absent), call.args[3], "restored_topk_weight"));
   InverseOutputs out_views{view(*out[0], tokens_dtype, "restored_tokens")};
   if (call.args[2]) {
     out_views.restored_per_token_scales =
         view(*out[1], call.scales_dtype, "restored_per_token_scales");
   }
   if (call.args[3]) out_views.restored_topk_weight = view(*out[2], std::nullopt, "");
-  nb::gil_scoped_release release;
-  moe_re_routing_inverse(
-      views, out_views,
-      attributes_of(kExpertTokenNumCount, kIdxGather, expert_alignment, allow_spare_rows),
-      num_threads);
+  {
+    nb::gil_scoped_release release;
+    moe_re_routing_inverse(views, out_views, attributes, num_threads);
+  }
+  return nb::tuple(fresh.arrays);
 }
 
 nb::list table() {
@@ -237,14 +303,16 @@ NB_MODULE(_core, m) {
   m.def("infer_inverse", &infer_backward, nb::arg("inputs"), nb::kw_only(),
         nb::arg("tokens_dtype").none(), nb::arg("expert_alignment"), nb::arg("allow_spare_rows"),
         "The three output specs of the inverse (an absent output: float32 (0,)).");
-  m.def("reroute", &run_forward, nb::arg("inputs"), nb::arg("outputs"), nb::kw_only(),
+  m.def("reroute", &run_forward, nb::arg("inputs"), nb::arg("outputs").none(), nb::kw_only(),
         nb::arg("tokens_dtype").none(), nb::arg("expert_token_num_type"), nb::arg("idx_type"),
         nb::arg("expert_alignment"), nb::arg("allow_spare_rows"), nb::arg("num_threads") = 0,
-        "Runs the forward on the CPU into the five outputs; writes nothing when it raises.");
-  m.def("inverse", &run_backward, nb::arg("inputs"), nb::arg("outputs"), nb::kw_only(),
+        "Runs the forward on the CPU into the five outputs (None: fresh NumPy arrays) and "
+        "returns them; writes nothing when it raises.");
+  m.def("inverse", &run_backward, nb::arg("inputs"), nb::kw_only(),
         nb::arg("tokens_dtype").none(), nb::arg("expert_alignment"), nb::arg("allow_spare_rows"),
         nb::arg("num_threads") = 0,
-        "Runs the inverse on the CPU into the three outputs (absent ones are ignored).");
+        "Runs the inverse on the CPU into three fresh NumPy arrays and returns them (an absent "
+        "output: float32 (0,)).");
   m.def("dtype_table", &table,
         "The dtype table: one dict per dtype (name, bits, npy_storage, torch_name and "
         "the token / scale / count roles).");
