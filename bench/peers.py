@@ -4,9 +4,11 @@ unfused split/cat path, NumPy fancy indexing and torch clone (the copy limit
 of the same bytes), all in one process, contenders interleaved call by call.
 
 - overhead: A = 1 (bf16 H = 7168), per-call cost against one index_select of
-  the tokens, plain and under torch.inference_mode;
+  the tokens, plain and under torch.inference_mode, and the NumPy call beside
+  NumPy fancy indexing (bf16 as uint16 storage named by tokens_dtype);
 - decode: A = 256 bf16 H = 7168, float32 scales [A] and weights [A, 1],
-  against index_select of the tokens alone;
+  against index_select of the tokens alone (and the NumPy call beside fancy
+  indexing of the tokens);
 - prefill: A = 16384 int8 H = 7168 with scales and weights, against clone of
   the same three tensors (fresh outputs every call, as in a model).
 
@@ -109,17 +111,32 @@ def print_table(title, times, baseline):
               f"{slowest / median:>14.1f} | {first / median:>17.1f} |")
 
 
+def numpy_of(tokens, counts):
+    """The bf16 tokens as NumPy uint16 storage (named by tokens_dtype) and the counts."""
+    return tokens.view(torch.uint16).numpy(), counts.numpy()
+
+
 def overhead(repeats):
     tokens, counts, _, _ = workload(1, torch.bfloat16)
     index = OPS.moe_re_routing(tokens, counts)[2].long()
     check("overhead", OPS.moe_re_routing(tokens, counts)[:1], [torch.index_select(tokens, 0, index)])
+    np_tokens, np_counts = numpy_of(tokens, counts)
+    np_index = index.numpy()
+    check("overhead (numpy)",
+          moe_reroute.moe_re_routing(np_tokens, np_counts, tokens_dtype="bfloat16")[:1],
+          [torch.index_select(tokens, 0, index).view(torch.uint16)])
     forward = OPS.moe_re_routing.default
     rows = {
         "torch.index_select": lambda: torch.index_select(tokens, 0, index),
         "torch.ops.moe_reroute.moe_re_routing": lambda: forward(tokens, counts),
         "moe_reroute.moe_re_routing": lambda: moe_reroute.moe_re_routing(tokens, counts),
     }
-    times = timings_us(rows, repeats)
+    numpy_rows = {
+        "numpy fancy index": lambda: np_tokens[np_index],
+        "moe_reroute.moe_re_routing (numpy)": lambda: moe_reroute.moe_re_routing(
+            np_tokens, np_counts, tokens_dtype="bfloat16"),
+    }
+    times = timings_us(rows | numpy_rows, repeats)
     with torch.inference_mode():
         inference = timings_us(rows, repeats)
     times |= {f"{name} (inference_mode)": t for name, t in inference.items()}
@@ -142,6 +159,12 @@ def checked_workload(num_tokens, dtype):
 def decode(repeats):
     tokens, counts, scales, weight, kwargs, index, result = checked_workload(256, torch.bfloat16)
     out = [torch.empty_like(t) for t in result]
+    np_tokens, np_counts = numpy_of(tokens, counts)
+    np_kwargs = dict(per_token_scales=scales.numpy(), expert_topk_weight=weight.numpy(),
+                     tokens_dtype="bfloat16")
+    np_index = index.numpy()
+    check("decode (numpy)", moe_reroute.moe_re_routing(np_tokens, np_counts, **np_kwargs)[:1],
+          [torch.index_select(tokens, 0, index).view(torch.uint16)])
     times = timings_us({
         "torch.index_select (tokens)": lambda: torch.index_select(tokens, 0, index),
         "moe_reroute (tokens, scales, weight)": lambda: moe_reroute.moe_re_routing(
@@ -151,6 +174,9 @@ def decode(repeats):
                                            for t in (tokens, scales, weight)],
         "megatron split+cat": lambda: megatron_unfused(tokens, counts, scales, weight),
         "clone (tokens)": lambda: tokens.clone(),
+        "numpy fancy index (tokens)": lambda: np_tokens[np_index],
+        "moe_reroute (numpy)": lambda: moe_reroute.moe_re_routing(np_tokens, np_counts,
+                                                                  **np_kwargs),
     }, repeats)
     print_table(f"decode: A=256 bf16 H={HIDDEN}, f32 scales [A], weights [A,1], "
                 f"median of {repeats}", times, "torch.index_select (tokens)")
