@@ -37,7 +37,8 @@ using Buffer = std::unique_ptr<Py_buffer, BufferRelease>;
 
 Buffer buffer_of(nb::handle array, bool writable) {
   auto view = std::make_unique<Py_buffer>();
-  if (PyObject_GetBuffer(array.ptr(), view.get(), PyBUF_STRIDES | (writable ? PyBUF_WRITABLE : 0)) != 0) {
+  const int flags = PyBUF_STRIDES | (writable ? PyBUF_WRITABLE : 0);
+  if (PyObject_GetBuffer(array.ptr(), view.get(), flags) != 0) {
     throw nb::python_error();
   }
   return Buffer(view.release());
