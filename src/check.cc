@@ -7,13 +7,20 @@
 namespace moe_reroute::detail {
 namespace {
 
-bool overlaps(const TensorView& a, const TensorView& b) {
-  if (a.nbytes() == 0 || b.nbytes() == 0) return false;
-  const auto a_begin = reinterpret_cast<std::uintptr_t>(a.data);
-  const auto b_begin = reinterpret_cast<std::uintptr_t>(b.data);
-  return a_begin < b_begin + static_cast<std::uintptr_t>(b.nbytes()) &&
-         b_begin < a_begin + static_cast<std::uintptr_t>(a.nbytes());
-}
+// The bytes a view spans, [begin, end): computed once per view, since every
+// output is compared with every input and every earlier output.
+struct Span {
+  std::uintptr_t begin;
+  std::uintptr_t end;
+
+  explicit Span(const TensorView& view)
+      : begin(reinterpret_cast<std::uintptr_t>(view.data)),
+        end(begin + static_cast<std::uintptr_t>(view.nbytes())) {}
+  bool empty() const { return begin == end; }
+  bool overlaps(const Span& other) const {
+    return !empty() && !other.empty() && begin < other.end && other.begin < end;
+  }
+};
 
 }  // namespace
 
@@ -58,6 +65,10 @@ void check_run_arguments(const std::vector<TensorSpec>& input_specs,
          "plan: made for " + std::to_string(output_specs.size()) + " outputs, run with " +
              std::to_string(outputs.size()) + " (optional outputs must match the inputs)");
   }
+  // Each view's bytes are computed only once its spec has passed: a spec that
+  // differs from the plan's may overflow int64.
+  std::vector<Span> input_spans;
+  input_spans.reserve(inputs.size());
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const NamedView& input = inputs[i];
     if (!(input.view->spec == input_specs[i])) {
@@ -66,10 +77,13 @@ void check_run_arguments(const std::vector<TensorSpec>& input_specs,
                                             " but the plan was made for " +
                                             input_specs[i].to_string());
     }
-    if (input.view->data == nullptr && input.view->nbytes() > 0) {
+    input_spans.emplace_back(*input.view);
+    if (input.view->data == nullptr && !input_spans[i].empty()) {
       fail(ErrorCode::kInvalidArgument, std::string(input.name) + ": data is null");
     }
   }
+  std::vector<Span> output_spans;
+  output_spans.reserve(outputs.size());
   for (std::size_t i = 0; i < outputs.size(); ++i) {
     const NamedView& output = outputs[i];
     const TensorView& view = *output.view;
@@ -78,17 +92,18 @@ void check_run_arguments(const std::vector<TensorSpec>& input_specs,
                                             output_specs[i].to_string() + ", got " +
                                             view.spec.to_string());
     }
-    if (view.data == nullptr && view.nbytes() > 0) {
+    const Span& span = output_spans.emplace_back(view);
+    if (view.data == nullptr && !span.empty()) {
       fail(ErrorCode::kInvalidArgument, std::string(output.name) + ": data is null");
     }
-    for (const NamedView& input : inputs) {
-      if (overlaps(view, *input.view)) {
+    for (std::size_t j = 0; j < inputs.size(); ++j) {
+      if (span.overlaps(input_spans[j])) {
         fail(ErrorCode::kInvalidArgument,
-             std::string(output.name) + ": overlaps input " + input.name);
+             std::string(output.name) + ": overlaps input " + inputs[j].name);
       }
     }
     for (std::size_t j = 0; j < i; ++j) {
-      if (overlaps(view, *outputs[j].view)) {
+      if (span.overlaps(output_spans[j])) {
         fail(ErrorCode::kInvalidArgument,
              std::string(output.name) + ": overlaps output " + outputs[j].name);
       }

@@ -2,6 +2,7 @@
 
 // Helpers shared by planning and the backends' output checks.
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -32,10 +33,20 @@ void store(void* base, std::int64_t i, T value) {
   std::memcpy(static_cast<std::byte*>(base) + i * std::int64_t{sizeof(T)}, &value, sizeof(T));
 }
 
-/// Element i of int32 or int64 counts as int64.
-inline std::int64_t load_count(const TensorView& counts, std::int64_t i) {
-  return counts.dtype() == DType::kInt32 ? load<std::int32_t>(counts.data, i)
-                                         : load<std::int64_t>(counts.data, i);
+/// Calls `body(i, count)` for the first `size` counts of int32 or int64
+/// `counts`, as int64, in order; the dtype is chosen once, not per count.
+template <typename Body>
+void for_each_count(const TensorView& counts, std::size_t size, const Body& body) {
+  const auto each = [&]<typename T>(T) {
+    for (std::size_t i = 0; i < size; ++i) {
+      body(i, static_cast<std::int64_t>(load<T>(counts.data, static_cast<std::int64_t>(i))));
+    }
+  };
+  if (counts.dtype() == DType::kInt32) {
+    each(std::int32_t{});
+  } else {
+    each(std::int64_t{});
+  }
 }
 
 /// Bytes of `spec`; throws Error naming `name` for a negative dim or a size
@@ -84,9 +95,6 @@ MOE_REROUTE_API std::vector<NamedView> named_outputs(const RerouteOutputs& outpu
 /// output is given exactly when its input is.
 MOE_REROUTE_API std::vector<NamedView> named_outputs(const InverseInputs& inputs, const InverseOutputs& outputs);
 
-/// Rule 10 and the plan's contract: every input and output has the spec the
-/// plan holds for it, data is non-null where bytes are moved, and no output
-/// overlaps an input or another output. Throws Error.
 /// plan_reroute and plan_inverse into `plan`, whose vectors keep their memory
 /// (the one-shot calls reuse one plan per thread: no allocation per call).
 void plan_reroute(Plan& plan, const RerouteInputs& inputs, const Attributes& attributes,
@@ -94,6 +102,9 @@ void plan_reroute(Plan& plan, const RerouteInputs& inputs, const Attributes& att
 void plan_inverse(Plan& plan, const InverseInputs& inputs, const Attributes& attributes,
                   int num_threads);
 
+/// Rule 10 and the plan's contract: every input and output has the spec the
+/// plan holds for it, data is non-null where bytes are moved, and no output
+/// overlaps an input or another output. Throws Error.
 MOE_REROUTE_API void check_run_arguments(const std::vector<TensorSpec>& input_specs,
                          const std::vector<NamedView>& inputs,
                          const std::vector<TensorSpec>& output_specs,

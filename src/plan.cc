@@ -232,15 +232,6 @@ TensorSpec with_rows(TensorSpec spec, std::int64_t rows) {
   return spec;
 }
 
-// The counts of `counts` (int32 or int64, loaded byte-wise: views may be
-// misaligned) as int64, into `values`.
-template <typename T>
-void load_counts(const TensorView& counts, std::vector<std::int64_t>& values) {
-  for (std::size_t i = 0; i < values.size(); ++i) {
-    values[i] = detail::load<T>(counts.data, static_cast<std::int64_t>(i));
-  }
-}
-
 // Rules 4 and 5: the counts as int64, into `values`.
 void read_counts(const TensorView& counts, std::int64_t num_tokens, bool allow_spare_rows,
                  std::vector<std::int64_t>& values) {
@@ -248,24 +239,20 @@ void read_counts(const TensorView& counts, std::int64_t num_tokens, bool allow_s
   const std::int64_t num_experts = counts.shape()[1];
   if (counts.data == nullptr) fail(ErrorCode::kInvalidArgument, std::string(name) + ": data is null");
   values.resize(static_cast<std::size_t>(counts.shape().numel()));
-  if (counts.dtype() == DType::kInt32) {
-    load_counts<std::int32_t>(counts, values);
-  } else {
-    load_counts<std::int64_t>(counts, values);
-  }
   std::int64_t sum = 0;
-  for (std::size_t i = 0; i < values.size(); ++i) {
-    if (values[i] < 0) {
+  detail::for_each_count(counts, values.size(), [&](std::size_t i, std::int64_t value) {
+    if (value < 0) {
       const auto block = static_cast<std::int64_t>(i);
       fail(ErrorCode::kInvalidArgument, std::string(name) + ": count[" +
                                             std::to_string(block / num_experts) + "][" +
                                             std::to_string(block % num_experts) + "] = " +
-                                            std::to_string(values[i]) + " is negative");
+                                            std::to_string(value) + " is negative");
     }
-    if (__builtin_add_overflow(sum, values[i], &sum)) {
+    if (__builtin_add_overflow(sum, value, &sum)) {
       fail(ErrorCode::kOutOfRange, std::string(name) + ": counts overflow int64 when summed");
     }
-  }
+    values[i] = value;
+  });
   if (allow_spare_rows ? sum > num_tokens : sum != num_tokens) {
     fail(ErrorCode::kInvalidArgument,
          std::string(name) + ": counts sum to " + std::to_string(sum) + " but tokens has " +

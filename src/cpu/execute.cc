@@ -80,18 +80,16 @@ void check_direction(const Plan& plan, Direction direction) {
 // counts it would write that layout, so the counts are compared first.
 void check_planned_counts(const Plan& plan, const TensorView& counts) {
   const std::vector<std::int64_t>& planned = plan.counts();
-  for (std::size_t i = 0; i < planned.size(); ++i) {
-    const std::int64_t value = detail::load_count(counts, static_cast<std::int64_t>(i));
-    if (value != planned[i]) {
-      const std::int64_t num_experts = plan.num_experts();
-      const auto block = static_cast<std::int64_t>(i);
-      detail::fail(ErrorCode::kInvalidArgument,
-                   "expert_token_num_per_rank: count[" + std::to_string(block / num_experts) +
-                       "][" + std::to_string(block % num_experts) + "] is " +
-                       std::to_string(value) + " but the plan was made for " +
-                       std::to_string(planned[i]) + "; plan again for new counts");
-    }
-  }
+  detail::for_each_count(counts, planned.size(), [&](std::size_t i, std::int64_t value) {
+    if (value == planned[i]) return;
+    const std::int64_t num_experts = plan.num_experts();
+    const auto block = static_cast<std::int64_t>(i);
+    detail::fail(ErrorCode::kInvalidArgument,
+                 "expert_token_num_per_rank: count[" + std::to_string(block / num_experts) + "][" +
+                     std::to_string(block % num_experts) + "] is " + std::to_string(value) +
+                     " but the plan was made for " + std::to_string(planned[i]) +
+                     "; plan again for new counts");
+  });
 }
 
 // Writes -1 to index entries [begin, end): every byte 0xFF.
@@ -122,12 +120,22 @@ std::int64_t last_level_cache_bytes() {
   return bytes;
 }
 
-void run_reroute(const Plan& plan, const RerouteInputs& inputs, const RerouteOutputs& outputs) {
-  check_direction(plan, Direction::kForward);
+namespace {
+
+// The arguments against the plan's specs (rule 10): before the counts are
+// read again, since counts of another dtype would be read past their end.
+void check_arguments(const Plan& plan, const RerouteInputs& inputs, const RerouteOutputs& outputs) {
   detail::check_run_arguments(plan.input_specs(), detail::named_inputs(inputs),
                               plan.output_specs(), detail::named_outputs(outputs));
-  check_planned_counts(plan, inputs.expert_token_num_per_rank);
+}
 
+void check_arguments(const Plan& plan, const InverseInputs& inputs, const InverseOutputs& outputs) {
+  detail::check_run_arguments(plan.input_specs(), detail::named_inputs(inputs),
+                              plan.output_specs(), detail::named_outputs(inputs, outputs));
+}
+
+// Moves the bytes of checked arguments.
+void move_reroute(const Plan& plan, const RerouteInputs& inputs, const RerouteOutputs& outputs) {
   const bool stream = plan.streaming_stores();
   const RowStream tokens{inputs.tokens.data, outputs.permute_tokens.data, plan.token_row_bytes(),
                          stream};
@@ -171,12 +179,7 @@ void run_reroute(const Plan& plan, const RerouteInputs& inputs, const RerouteOut
   }
 }
 
-void run_inverse(const Plan& plan, const InverseInputs& inputs, const InverseOutputs& outputs) {
-  check_direction(plan, Direction::kInverse);
-  detail::check_run_arguments(plan.input_specs(), detail::named_inputs(inputs),
-                              plan.output_specs(), detail::named_outputs(inputs, outputs));
-  check_planned_counts(plan, inputs.expert_token_num_per_rank);
-
+void move_inverse(const Plan& plan, const InverseInputs& inputs, const InverseOutputs& outputs) {
   const bool stream = plan.streaming_stores();
   const RowStream tokens{inputs.tokens.data, outputs.restored_tokens.data,
                          plan.token_row_bytes(), stream};
@@ -192,20 +195,39 @@ void run_inverse(const Plan& plan, const InverseInputs& inputs, const InverseOut
   });
 }
 
+}  // namespace
+
+void run_reroute(const Plan& plan, const RerouteInputs& inputs, const RerouteOutputs& outputs) {
+  check_direction(plan, Direction::kForward);
+  check_arguments(plan, inputs, outputs);
+  check_planned_counts(plan, inputs.expert_token_num_per_rank);
+  move_reroute(plan, inputs, outputs);
+}
+
+void run_inverse(const Plan& plan, const InverseInputs& inputs, const InverseOutputs& outputs) {
+  check_direction(plan, Direction::kInverse);
+  check_arguments(plan, inputs, outputs);
+  check_planned_counts(plan, inputs.expert_token_num_per_rank);
+  move_inverse(plan, inputs, outputs);
+}
+
 // The one-shot calls plan into a plan kept per thread, whose memory the next
 // call reuses: at decode size the allocations were a tenth of the plan's cost.
+// The plan was made from these very inputs, so their counts are not read again.
 void moe_re_routing(const RerouteInputs& inputs, const RerouteOutputs& outputs,
                     const Attributes& attributes, int num_threads) {
   thread_local Plan plan;
   detail::plan_reroute(plan, inputs, attributes, num_threads);
-  run_reroute(plan, inputs, outputs);
+  check_arguments(plan, inputs, outputs);
+  move_reroute(plan, inputs, outputs);
 }
 
 void moe_re_routing_inverse(const InverseInputs& inputs, const InverseOutputs& outputs,
                             const Attributes& attributes, int num_threads) {
   thread_local Plan plan;
   detail::plan_inverse(plan, inputs, attributes, num_threads);
-  run_inverse(plan, inputs, outputs);
+  check_arguments(plan, inputs, outputs);
+  move_inverse(plan, inputs, outputs);
 }
 
 }  // namespace moe_reroute
