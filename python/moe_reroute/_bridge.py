@@ -1,5 +1,5 @@
-"""Framework-neutral glue: arguments described for the core module, and
-outputs allocated from the core's own specs (docs/spec.md section 4)."""
+"""Framework-neutral glue: the core's dtype table, the input names, and the
+attributes type-checked as the core module takes them (docs/spec.md section 4)."""
 
 from __future__ import annotations
 
@@ -10,19 +10,10 @@ _ROWS = {row["name"]: row for row in TABLE}
 
 INPUT_NAMES = ("tokens", "expert_token_num_per_rank", "per_token_scales", "expert_topk_weight")
 
-# Which inputs each direction's outputs are stored like (output index: input index).
-FORWARD_PAIRS = {0: 0, 1: 2, 4: 3}
-INVERSE_PAIRS = {0: 0, 1: 2, 2: 3}
-
 
 def row(name: str) -> dict:
     """The dtype table row named `name` (a name the core returned)."""
     return _ROWS[name]
-
-
-def stored_like(spec_shape, input_shape) -> list:
-    """An output's storage shape: the spec's rows, then the input's trailing dims."""
-    return [spec_shape[0], *input_shape[1:]]
 
 
 def checked(name: str, value, kind):

@@ -53,11 +53,13 @@ def _infer(infer, tensors, rows=0, experts=0, **kwargs) -> list:
     return infer(described, **kwargs)
 
 
-def _fake(infer, tensors, pairs, **kwargs) -> tuple:
+def _fake(infer, tensors, **kwargs) -> tuple:
     """Fake outputs: the core decides (raising eager's error) on the size
     hints; each output's row count is then rebuilt from the symbolic A (tokens'
     rows) and E (the counts' dim 1): the core is probed at A + 1 and E + 1
-    where they are symbolic, the rules being affine in A and E."""
+    where they are symbolic, the rules being affine in A and E. Each output is
+    stored like the input the core names for it (its dtype, its trailing dims),
+    or as its spec, as the C++ kernel allocates it."""
     specs = _infer(infer, tensors, **kwargs)
     tokens, counts = tensors[0], tensors[1]
     terms = []
@@ -68,14 +70,14 @@ def _fake(infer, tensors, pairs, **kwargs) -> tuple:
             terms.append((size, _hint(size), [p[1][0] - s[1][0] if s[1] else 0
                                               for p, s in zip(probed, specs)]))
     outputs = []
-    for i, (dtype_name, shape) in enumerate(specs):
+    for i, (dtype_name, shape, stored_like) in enumerate(specs):
         rows = shape[0] if shape else None
         for size, hint, slopes in terms:
             if rows is not None and slopes[i]:
                 rows = rows + slopes[i] * (size - hint)
-        source = tensors[pairs[i]] if i in pairs else None
+        source = tensors[stored_like] if stored_like is not None else None
         if source is not None:
-            outputs.append(source.new_empty(_bridge.stored_like([rows], source.shape)))
+            outputs.append(source.new_empty([rows, *source.shape[1:]]))
         else:
             dtype = getattr(torch, _bridge.row(dtype_name)["torch_name"])
             outputs.append(tokens.new_empty([rows, *shape[1:]] if shape else [], dtype=dtype))
@@ -88,7 +90,7 @@ def _reroute_fake(tokens, expert_token_num_per_rank, per_token_scales=None,
                   tokens_dtype=None, expert_alignment=1, allow_spare_rows=False):
     return _fake(_core.infer_reroute,
                  (tokens, expert_token_num_per_rank, per_token_scales, expert_topk_weight),
-                 _bridge.FORWARD_PAIRS, tokens_dtype=tokens_dtype,
+                 tokens_dtype=tokens_dtype,
                  **_bridge.attributes(expert_token_num_type, idx_type, expert_alignment,
                                       allow_spare_rows))
 
@@ -114,5 +116,5 @@ def _inverse_fake(tokens, expert_token_num_per_rank, per_token_scales=None,
                   allow_spare_rows=False):
     return _fake(_core.infer_inverse,
                  (tokens, expert_token_num_per_rank, per_token_scales, expert_topk_weight),
-                 _bridge.INVERSE_PAIRS, tokens_dtype=tokens_dtype,
+                 tokens_dtype=tokens_dtype,
                  **_bridge.inverse_attributes(expert_alignment, allow_spare_rows))

@@ -77,6 +77,17 @@ TensorView core_view(const void* data, Storage storage, std::span<const std::int
   return TensorView(data, *named, Shape(logical_dims(dims, storage.bits, bits, arg)));
 }
 
+std::array<TensorSpec, 5> output_specs(const RerouteOutputSpecs& specs) {
+  return {specs.permute_tokens, specs.permute_per_token_scales, specs.permute_token_idx,
+          specs.expert_token_num, specs.permute_topk_weight};
+}
+
+std::array<TensorSpec, 3> output_specs(const InverseOutputSpecs& specs) {
+  const TensorSpec absent{DType::kFloat32, Shape{0}};
+  return {specs.restored_tokens, specs.restored_per_token_scales.value_or(absent),
+          specs.restored_topk_weight.value_or(absent)};
+}
+
 std::vector<std::int64_t> stored_like(const TensorSpec& spec,
                                       std::span<const std::int64_t> input_dims) {
   std::vector<std::int64_t> dims(input_dims.begin(), input_dims.end());

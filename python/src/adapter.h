@@ -5,6 +5,7 @@
 // section 4 for the dtypes). Framework-neutral: a framework array is described
 // by its element type's name and width.
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -36,14 +37,30 @@ TensorView core_view(const void* data, Storage storage, std::span<const std::int
                      const char* arg, const std::optional<std::string>& logical,
                      const char* logical_arg);
 
+/// How the frameworks store each output: like the input it comes from (that
+/// input's storage dtype and trailing storage dims, with the spec's rows),
+/// named here by its index in (tokens, expert_token_num_per_rank,
+/// per_token_scales, expert_topk_weight); as its own spec where that input is
+/// absent or the index is kOwnSpec. The one statement of this rule: the torch
+/// kernels, the NumPy allocation and the torch fake kernels all read it.
+inline constexpr int kOwnSpec = -1;
+inline constexpr std::array<int, 5> kForwardStoredLike = {0, 2, kOwnSpec, kOwnSpec, 3};
+inline constexpr std::array<int, 3> kInverseStoredLike = {0, 2, 3};
+
+/// The outputs' names and specs in struct order; an absent optional output of
+/// the inverse is float32 (0,), as the forward's permute_topk_weight.
+inline constexpr std::array<const char*, 5> kForwardOutputNames = {
+    "permute_tokens", "permute_per_token_scales", "permute_token_idx", "expert_token_num",
+    "permute_topk_weight"};
+inline constexpr std::array<const char*, 3> kInverseOutputNames = {
+    "restored_tokens", "restored_per_token_scales", "restored_topk_weight"};
+std::array<TensorSpec, 5> output_specs(const RerouteOutputSpecs& specs);
+std::array<TensorSpec, 3> output_specs(const InverseOutputSpecs& specs);
+
 /// The dims of output `spec` stored like its input (`input_dims`): the
 /// spec's rows, then the input's trailing storage dims.
 std::vector<std::int64_t> stored_like(const TensorSpec& spec,
                                       std::span<const std::int64_t> input_dims);
-
-/// The spec of an absent optional output (the inverse's scales or weights
-/// when none are given): float32 (0,), as the forward's permute_topk_weight.
-inline TensorSpec absent_spec() { return {DType::kFloat32, Shape{0}}; }
 
 /// Scales stored as uint8 are read as float8_e8m0 (docs/spec.md section 4).
 std::optional<std::string> scales_dtype(Storage scales);

@@ -113,13 +113,17 @@ Attributes attributes_of(int expert_token_num_type, int idx_type, std::int64_t e
   return {expert_token_num_type, idx_type, expert_alignment, allow_spare_rows};
 }
 
-// (dtype name, shape) of each output spec.
-nb::list specs_list(std::initializer_list<TensorSpec> specs) {
+// (dtype name, shape, the index of the input it is stored like or None) of
+// each output spec: what the torch fake kernels allocate by.
+template <std::size_t N>
+nb::list specs_list(const std::array<TensorSpec, N>& specs, const std::array<int, N>& stored_like) {
   nb::list list;
-  for (const TensorSpec& spec : specs) {
-    list.append(nb::make_tuple(std::string(dtype_name(spec.dtype)),
-                               std::vector<std::int64_t>(spec.shape.dims.begin(),
-                                                         spec.shape.dims.begin() + spec.shape.ndim)));
+  for (std::size_t i = 0; i < N; ++i) {
+    const Shape& shape = specs[i].shape;
+    list.append(nb::make_tuple(
+        std::string(dtype_name(specs[i].dtype)),
+        std::vector<std::int64_t>(shape.dims.begin(), shape.dims.begin() + shape.ndim),
+        stored_like[i] == adapter::kOwnSpec ? nb::none() : nb::int_(stored_like[i])));
   }
   return list;
 }
@@ -132,8 +136,7 @@ nb::list infer_forward(const nb::sequence& inputs, const std::optional<std::stri
       infer_reroute(call.views<RerouteInputs>(),
                     attributes_of(expert_token_num_type, idx_type, expert_alignment,
                                   allow_spare_rows));
-  return specs_list({specs.permute_tokens, specs.permute_per_token_scales,
-                     specs.permute_token_idx, specs.expert_token_num, specs.permute_topk_weight});
+  return specs_list(adapter::output_specs(specs), adapter::kForwardStoredLike);
 }
 
 nb::list infer_backward(const nb::sequence& inputs, const std::optional<std::string>& tokens_dtype,
@@ -142,9 +145,7 @@ nb::list infer_backward(const nb::sequence& inputs, const std::optional<std::str
   const InverseOutputSpecs specs = infer_inverse(
       call.views<InverseInputs>(),
       attributes_of(kExpertTokenNumCount, kIdxGather, expert_alignment, allow_spare_rows));
-  const TensorSpec absent = adapter::absent_spec();
-  return specs_list({specs.restored_tokens, specs.restored_per_token_scales.value_or(absent),
-                     specs.restored_topk_weight.value_or(absent)});
+  return specs_list(adapter::output_specs(specs), adapter::kInverseStoredLike);
 }
 
 // numpy.empty, looked up once and never released: a static Python object
@@ -154,16 +155,41 @@ nb::handle numpy_empty() {
   return empty;
 }
 
-// Fresh NumPy arrays for the outputs of one call, each appended to `arrays`
-// and returned described.
-struct Allocation {
+// The outputs of one call: their NumPy arrays (the tuple the call returns),
+// fresh or the caller's, and the same arrays described for the core.
+struct OutputArrays {
   nb::list arrays;
+  std::vector<Arg> args;
 
-  // An output of `spec` named `name`: stored like `input` (its dtype, its
-  // trailing dims) when given, else in the spec's dtype.
-  std::optional<Arg> operator()(const TensorSpec& spec, const std::optional<Arg>& input,
-                                const char* name) {
-    Arg arg;
+  // Fresh arrays by the core's specs, each stored as adapter.h's `stored_like`
+  // says: like its input (that input's dtype, its trailing dims) where given,
+  // else in the spec's dtype.
+  template <std::size_t N>
+  OutputArrays(const std::array<TensorSpec, N>& specs, const std::array<int, N>& stored_like,
+               const std::array<const char*, N>& names, const Inputs& call) {
+    for (std::size_t i = 0; i < N; ++i) {
+      const std::optional<Arg>* input =
+          stored_like[i] == adapter::kOwnSpec ? nullptr : &call.args[stored_like[i]];
+      fresh(specs[i], input && *input ? &**input : nullptr, names[i]);
+    }
+  }
+
+  // The outputs the caller gave (described, `count` of them).
+  OutputArrays(const nb::sequence& outputs, std::size_t count) {
+    for (nb::handle item : outputs) {
+      std::optional<Arg> arg = arg_of(item, /*writable=*/true);
+      if (!arg) fail(ErrorCode::kInvalidArgument, "out: an output is None");
+      args.push_back(std::move(*arg));
+      arrays.append(nb::cast<nb::tuple>(item)[4]);
+    }
+    if (args.size() != count) {
+      fail(ErrorCode::kInvalidArgument, "out: expected " + std::to_string(count) + " outputs");
+    }
+  }
+
+ private:
+  void fresh(const TensorSpec& spec, const Arg* input, const char* name) {
+    Arg& arg = args.emplace_back();
     arg.name = name;
     nb::object dtype;
     if (input) {
@@ -181,22 +207,15 @@ struct Allocation {
     const nb::object array = numpy_empty()(nb::cast(arg.shape), dtype);
     arrays.append(array);
     arg.data = buffer_of(array, /*writable=*/true);
-    return arg;
   }
 };
 
-// The outputs the caller gave (described, `count` of them), each appended to `arrays`.
-std::vector<std::optional<Arg>> outputs_of(const nb::sequence& outputs, std::size_t count,
-                                           nb::list& arrays) {
-  std::vector<std::optional<Arg>> args;
-  for (nb::handle item : outputs) {
-    args.push_back(arg_of(item, /*writable=*/true));
-    arrays.append(nb::cast<nb::tuple>(item)[4]);
-  }
-  if (args.size() != count) {
-    fail(ErrorCode::kInvalidArgument, "out: expected " + std::to_string(count) + " outputs");
-  }
-  return args;
+// The outputs of a forward call: the caller's, or fresh by the inferred specs.
+OutputArrays forward_outputs(const std::optional<nb::sequence>& outputs, const Inputs& call,
+                             const RerouteInputs& views, const Attributes& attributes) {
+  if (outputs) return OutputArrays(*outputs, adapter::kForwardOutputNames.size());
+  return OutputArrays(adapter::output_specs(infer_reroute(views, attributes)),
+                      adapter::kForwardStoredLike, adapter::kForwardOutputNames, call);
 }
 
 nb::tuple run_forward(const nb::sequence& inputs, const std::optional<nb::sequence>& outputs,
@@ -207,28 +226,18 @@ nb::tuple run_forward(const nb::sequence& inputs, const std::optional<nb::sequen
   const RerouteInputs views = call.views<RerouteInputs>();
   const Attributes attributes =
       attributes_of(expert_token_num_type, idx_type, expert_alignment, allow_spare_rows);
-  Allocation fresh;
-  std::vector<std::optional<Arg>> out;
-  if (outputs) {
-    out = outputs_of(*outputs, 5, fresh.arrays);
-  } else {
-    const RerouteOutputSpecs specs = infer_reroute(views, attributes);
-    out.push_back(fresh(specs.permute_tokens, call.args[0], "permute_tokens"));
-    out.push_back(fresh(specs.permute_per_token_scales, call.args[2], "permute_per_token_scales"));
-    out.push_back(fresh(specs.permute_token_idx, std::nullopt, "permute_token_idx"));
-    out.push_back(fresh(specs.expert_token_num, std::nullopt, "expert_token_num"));
-    out.push_back(fresh(specs.permute_topk_weight, call.args[3], "permute_topk_weight"));
-  }
+  const OutputArrays out = forward_outputs(outputs, call, views, attributes);
+  const std::vector<Arg>& args = out.args;
   const std::optional<std::string> out_scales = call.args[2] ? call.scales_dtype : std::nullopt;
-  const RerouteOutputs out_views{view(*out[0], tokens_dtype, "permute_tokens"),
-                                 view(*out[1], out_scales, "permute_per_token_scales"),
-                                 view(*out[2], std::nullopt, ""), view(*out[3], std::nullopt, ""),
-                                 view(*out[4], std::nullopt, "")};
+  const RerouteOutputs out_views{view(args[0], tokens_dtype, "permute_tokens"),
+                                 view(args[1], out_scales, "permute_per_token_scales"),
+                                 view(args[2], std::nullopt, ""), view(args[3], std::nullopt, ""),
+                                 view(args[4], std::nullopt, "")};
   {
     nb::gil_scoped_release release;
     moe_re_routing(views, out_views, attributes, num_threads);
   }
-  return nb::tuple(fresh.arrays);
+  return nb::tuple(out.arrays);
 }
 
 nb::tuple run_backward(const nb::sequence& inputs, const std::optional<std::string>& tokens_dtype,
@@ -237,26 +246,20 @@ nb::tuple run_backward(const nb::sequence& inputs, const std::optional<std::stri
   const InverseInputs views = call.views<InverseInputs>();
   const Attributes attributes =
       attributes_of(kExpertTokenNumCount, kIdxGather, expert_alignment, allow_spare_rows);
-  const InverseOutputSpecs specs = infer_inverse(views, attributes);
-  const TensorSpec absent = adapter::absent_spec();
-  Allocation fresh;
-  std::vector<std::optional<Arg>> out;
-  out.push_back(fresh(specs.restored_tokens, call.args[0], "restored_tokens"));
-  out.push_back(fresh(specs.restored_per_token_scales.value_or(absent), call.args[2],
-                      "restored_per_token_scales"));
-  out.push_back(
-      fresh(specs.restored_topk_weight.value_or(absent), call.args[3], "restored_topk_weight"));
-  InverseOutputs out_views{view(*out[0], tokens_dtype, "restored_tokens")};
+  const OutputArrays out(adapter::output_specs(infer_inverse(views, attributes)),
+                         adapter::kInverseStoredLike, adapter::kInverseOutputNames, call);
+  const std::vector<Arg>& args = out.args;
+  InverseOutputs out_views{view(args[0], tokens_dtype, "restored_tokens")};
   if (call.args[2]) {
     out_views.restored_per_token_scales =
-        view(*out[1], call.scales_dtype, "restored_per_token_scales");
+        view(args[1], call.scales_dtype, "restored_per_token_scales");
   }
-  if (call.args[3]) out_views.restored_topk_weight = view(*out[2], std::nullopt, "");
+  if (call.args[3]) out_views.restored_topk_weight = view(args[2], std::nullopt, "");
   {
     nb::gil_scoped_release release;
     moe_re_routing_inverse(views, out_views, attributes, num_threads);
   }
-  return nb::tuple(fresh.arrays);
+  return nb::tuple(out.arrays);
 }
 
 nb::list table() {

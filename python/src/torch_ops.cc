@@ -15,6 +15,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <mutex>
@@ -163,7 +164,7 @@ Tensor empty(c10::IntArrayRef dims, c10::ScalarType type, const c10::Device& dev
 
 // An output with `spec`'s rows stored like `input`, or, without an input, with
 // `spec` itself in its torch dtype.
-Tensor allocate(const TensorSpec& spec, const OptionalTensor& input, const c10::Device& device) {
+Tensor allocate(const TensorSpec& spec, const Tensor* input, const c10::Device& device) {
   if (input) {
     return empty(adapter::stored_like(spec, input->sizes()), input->scalar_type(), device);
   }
@@ -214,6 +215,22 @@ struct Call {
   }
   // The dtype name the scales outputs are read as: the scales' own, or none.
   std::optional<std::string> out_scales_dtype() const { return scales ? scales_dtype : std::nullopt; }
+
+  // Fresh outputs for `specs` on the call's device, each stored as adapter.h's
+  // `stored_like` says.
+  template <typename Outputs, std::size_t N>
+  Outputs allocate_outputs(const std::array<TensorSpec, N>& specs,
+                           const std::array<int, N>& stored_like) const {
+    const Tensor* inputs[] = {&tokens, &counts, scales ? &*scales : nullptr,
+                              weight ? &*weight : nullptr};
+    std::array<Tensor, N> tensors;
+    for (std::size_t i = 0; i < N; ++i) {
+      tensors[i] = allocate(specs[i],
+                            stored_like[i] == adapter::kOwnSpec ? nullptr : inputs[stored_like[i]],
+                            device);
+    }
+    return std::apply([](auto&... each) { return Outputs{std::move(each)...}; }, tensors);
+  }
 };
 
 // Whether every CUDA call reads its device's status word ("sync" mode).
@@ -266,8 +283,8 @@ void run_cuda(const Call& call, Launch launch) {
 }
 #endif
 
-void run(const Call& call, const RerouteInputs& inputs, const RerouteOutputs& outputs,
-         const Attributes& attributes) {
+void run([[maybe_unused]] const Call& call, const RerouteInputs& inputs,
+         const RerouteOutputs& outputs, const Attributes& attributes) {
 #if MOE_REROUTE_HAS_CUDA
   if (call.device.is_cuda()) {
     run_cuda(call, [&](const cuda::DeviceContext& context) {
@@ -279,8 +296,8 @@ void run(const Call& call, const RerouteInputs& inputs, const RerouteOutputs& ou
   moe_re_routing(inputs, outputs, attributes);
 }
 
-void run(const Call& call, const InverseInputs& inputs, const InverseOutputs& outputs,
-         const Attributes& attributes) {
+void run([[maybe_unused]] const Call& call, const InverseInputs& inputs,
+         const InverseOutputs& outputs, const Attributes& attributes) {
 #if MOE_REROUTE_HAS_CUDA
   if (call.device.is_cuda()) {
     run_cuda(call, [&](const cuda::DeviceContext& context) {
@@ -315,12 +332,8 @@ Forward reroute(const Tensor& tokens, const Tensor& counts, const OptionalTensor
     const RerouteInputs inputs = call.inputs<RerouteInputs>();
     const Attributes attributes =
         attributes_of(expert_token_num_type, idx_type, expert_alignment, allow_spare_rows);
-    const RerouteOutputSpecs specs = infer_reroute(inputs, attributes);
-    Forward outputs{allocate(specs.permute_tokens, call.tokens, call.device),
-                    allocate(specs.permute_per_token_scales, call.scales, call.device),
-                    allocate(specs.permute_token_idx, std::nullopt, call.device),
-                    allocate(specs.expert_token_num, std::nullopt, call.device),
-                    allocate(specs.permute_topk_weight, call.weight, call.device)};
+    Forward outputs = call.allocate_outputs<Forward>(
+        adapter::output_specs(infer_reroute(inputs, attributes)), adapter::kForwardStoredLike);
     auto& [out_tokens, out_scales, out_idx, out_num, out_weight] = outputs;
     run(call, inputs, reroute_outputs(call, out_tokens, out_scales, out_idx, out_num, out_weight),
         attributes);
@@ -351,12 +364,8 @@ Inverse inverse(const Tensor& tokens, const Tensor& counts, const OptionalTensor
     const InverseInputs inputs = call.inputs<InverseInputs>();
     const Attributes attributes = attributes_of(kExpertTokenNumCount, kIdxGather,
                                                 expert_alignment, allow_spare_rows);
-    const InverseOutputSpecs specs = infer_inverse(inputs, attributes);
-    const TensorSpec absent = adapter::absent_spec();
-    Inverse outputs{allocate(specs.restored_tokens, call.tokens, call.device),
-                    allocate(specs.restored_per_token_scales.value_or(absent), call.scales,
-                             call.device),
-                    allocate(specs.restored_topk_weight.value_or(absent), call.weight, call.device)};
+    Inverse outputs = call.allocate_outputs<Inverse>(
+        adapter::output_specs(infer_inverse(inputs, attributes)), adapter::kInverseStoredLike);
     auto& [out_tokens, out_scales, out_weight] = outputs;
     InverseOutputs views{call.output(out_tokens, "restored_tokens", call.tokens_dtype)};
     if (call.scales) {
