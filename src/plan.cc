@@ -232,6 +232,14 @@ TensorSpec with_rows(TensorSpec spec, std::int64_t rows) {
   return spec;
 }
 
+[[noreturn, gnu::cold]] void fail_negative_count(std::size_t block, std::int64_t num_experts,
+                                                  std::int64_t value) {
+  const auto b = static_cast<std::int64_t>(block);
+  fail(ErrorCode::kInvalidArgument,
+       "expert_token_num_per_rank: count[" + std::to_string(b / num_experts) + "][" +
+           std::to_string(b % num_experts) + "] = " + std::to_string(value) + " is negative");
+}
+
 // Rules 4 and 5: the counts as int64, into `values`.
 void read_counts(const TensorView& counts, std::int64_t num_tokens, bool allow_spare_rows,
                  std::vector<std::int64_t>& values) {
@@ -241,13 +249,7 @@ void read_counts(const TensorView& counts, std::int64_t num_tokens, bool allow_s
   values.resize(static_cast<std::size_t>(counts.shape().numel()));
   std::int64_t sum = 0;
   detail::for_each_count(counts, values.size(), [&](std::size_t i, std::int64_t value) {
-    if (value < 0) {
-      const auto block = static_cast<std::int64_t>(i);
-      fail(ErrorCode::kInvalidArgument, std::string(name) + ": count[" +
-                                            std::to_string(block / num_experts) + "][" +
-                                            std::to_string(block % num_experts) + "] = " +
-                                            std::to_string(value) + " is negative");
-    }
+    if (value < 0) fail_negative_count(i, num_experts, value);
     if (__builtin_add_overflow(sum, value, &sum)) {
       fail(ErrorCode::kOutOfRange, std::string(name) + ": counts overflow int64 when summed");
     }

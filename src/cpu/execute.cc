@@ -76,19 +76,23 @@ void check_direction(const Plan& plan, Direction direction) {
   }
 }
 
+[[noreturn, gnu::cold]] void fail_stale_count(const Plan& plan, std::size_t block,
+                                               std::int64_t value) {
+  const std::int64_t num_experts = plan.num_experts();
+  const auto b = static_cast<std::int64_t>(block);
+  detail::fail(ErrorCode::kInvalidArgument,
+               "expert_token_num_per_rank: count[" + std::to_string(b / num_experts) + "][" +
+                   std::to_string(b % num_experts) + "] is " + std::to_string(value) +
+                   " but the plan was made for " + std::to_string(plan.counts()[block]) +
+                   "; plan again for new counts");
+}
+
 // A plan holds the layout of the counts it was made for: run with other
 // counts it would write that layout, so the counts are compared first.
 void check_planned_counts(const Plan& plan, const TensorView& counts) {
   const std::vector<std::int64_t>& planned = plan.counts();
   detail::for_each_count(counts, planned.size(), [&](std::size_t i, std::int64_t value) {
-    if (value == planned[i]) return;
-    const std::int64_t num_experts = plan.num_experts();
-    const auto block = static_cast<std::int64_t>(i);
-    detail::fail(ErrorCode::kInvalidArgument,
-                 "expert_token_num_per_rank: count[" + std::to_string(block / num_experts) + "][" +
-                     std::to_string(block % num_experts) + "] is " + std::to_string(value) +
-                     " but the plan was made for " + std::to_string(planned[i]) +
-                     "; plan again for new counts");
+    if (value != planned[i]) fail_stale_count(plan, i, value);
   });
 }
 
