@@ -22,6 +22,14 @@ struct Span {
   }
 };
 
+// Rule 10's spec check of one output.
+void check_output_spec(const NamedView& output, const TensorSpec& spec) {
+  if (!(output.view->spec == spec)) {
+    fail(ErrorCode::kInvalidArgument, std::string(output.name) + ": must be " + spec.to_string() +
+                                          ", got " + output.view->spec.to_string());
+  }
+}
+
 }  // namespace
 
 std::vector<NamedView> named_outputs(const RerouteOutputs& outputs) {
@@ -87,11 +95,7 @@ void check_run_arguments(const std::vector<TensorSpec>& input_specs,
   for (std::size_t i = 0; i < outputs.size(); ++i) {
     const NamedView& output = outputs[i];
     const TensorView& view = *output.view;
-    if (!(view.spec == output_specs[i])) {
-      fail(ErrorCode::kInvalidArgument, std::string(output.name) + ": must be " +
-                                            output_specs[i].to_string() + ", got " +
-                                            view.spec.to_string());
-    }
+    check_output_spec(output, output_specs[i]);
     const Span& span = output_spans.emplace_back(view);
     if (view.data == nullptr && !span.empty()) {
       fail(ErrorCode::kInvalidArgument, std::string(output.name) + ": data is null");
@@ -112,3 +116,15 @@ void check_run_arguments(const std::vector<TensorSpec>& input_specs,
 }
 
 }  // namespace moe_reroute::detail
+
+namespace moe_reroute {
+
+void check_output_specs(const RerouteOutputSpecs& specs, const RerouteOutputs& outputs) {
+  const std::vector<detail::NamedView> named = detail::named_outputs(outputs);
+  const TensorSpec expected[] = {specs.permute_tokens, specs.permute_per_token_scales,
+                                 specs.permute_token_idx, specs.expert_token_num,
+                                 specs.permute_topk_weight};
+  for (std::size_t i = 0; i < named.size(); ++i) detail::check_output_spec(named[i], expected[i]);
+}
+
+}  // namespace moe_reroute

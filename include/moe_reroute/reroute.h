@@ -181,6 +181,14 @@ MOE_REROUTE_API Plan plan_reroute(const RerouteInputs& inputs, const Attributes&
 MOE_REROUTE_API Plan plan_inverse(const InverseInputs& inputs, const Attributes& attributes = {},
                                   int num_threads = 0);
 
+/// Rule 10 without the data: each of `outputs` has the spec `specs` gives it,
+/// checked in struct order; throws Error naming the first that differs, with
+/// run_reroute's message. For callers that check preallocated outputs before
+/// any data exists (the torch fake kernel of out=); the checks that need
+/// memory (null data, overlaps) stay with the run.
+MOE_REROUTE_API void check_output_specs(const RerouteOutputSpecs& specs,
+                                        const RerouteOutputs& outputs);
+
 /// Moves the bytes on the CPU. Throws Error, before writing anything, when the
 /// inputs differ from the planned specs or an output has the wrong spec or
 /// overlaps an input or another output.

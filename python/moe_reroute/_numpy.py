@@ -9,9 +9,6 @@ import numpy as np
 
 from . import _bridge, _core
 
-FORWARD_OUTPUT_NAMES = ("permute_tokens", "permute_per_token_scales", "permute_token_idx",
-                        "expert_token_num", "permute_topk_weight")
-
 
 def check_array(array, name: str):
     if not isinstance(array, np.ndarray):
@@ -63,7 +60,7 @@ def reroute(arrays, tokens_dtype, attributes, out):
     tokens_dtype = _bridge.tokens_name(tokens_dtype)
     described = inputs(arrays)
     if out is not None:
-        out = outputs(out, FORWARD_OUTPUT_NAMES)
+        out = outputs(out, _core.FORWARD_OUTPUT_NAMES)
     return _core.reroute(described, out, tokens_dtype=tokens_dtype, **attributes)
 
 

@@ -32,9 +32,10 @@ def _hint(size) -> int:
     return _size_hint(size) if isinstance(size, torch.SymInt) else int(size)
 
 
-def _describe(tensor, name: str, rows: int = 0, experts: int = 0):
-    """A tensor for the core's infer, by its size hints; `rows` and `experts`
-    are added to its row dim (and, for the counts, to E) to probe the rules."""
+def _describe(tensor, name: str, rows: int = 0, experts: int = 0, output: bool = False):
+    """A tensor for the core module, by its size hints and device; `rows` and
+    `experts` are added to its row dim (and, for the counts, to E) to probe
+    the rules. Only an output must be contiguous: the kernel copies inputs."""
     if tensor is None:
         return None
     shape = [_hint(size) for size in tensor.shape]
@@ -44,7 +45,7 @@ def _describe(tensor, name: str, rows: int = 0, experts: int = 0):
     elif shape:
         shape[0] += rows
     return (name, str(tensor.dtype).removeprefix("torch."), 8 * tensor.element_size(), shape,
-            None)
+            None, str(tensor.device), tensor.is_contiguous() if output else True)
 
 
 def _infer(infer, tensors, rows=0, experts=0, **kwargs) -> list:
@@ -101,13 +102,16 @@ def _reroute_out_fake(tokens, expert_token_num_per_rank, permute_tokens,
                       permute_topk_weight, per_token_scales=None, expert_topk_weight=None,
                       expert_token_num_type=1, idx_type=0, tokens_dtype=None,
                       expert_alignment=1, allow_spare_rows=False):
-    # The inputs are checked as eager checks them; the outputs' specs are
-    # checked by the kernel when it runs.
-    _infer(_core.infer_reroute,
-           (tokens, expert_token_num_per_rank, per_token_scales, expert_topk_weight),
-           tokens_dtype=tokens_dtype,
-           **_bridge.attributes(expert_token_num_type, idx_type, expert_alignment,
-                                allow_spare_rows))
+    # Every argument is checked as the kernel checks it before reading data.
+    inputs = (tokens, expert_token_num_per_rank, per_token_scales, expert_topk_weight)
+    outputs = (permute_tokens, permute_per_token_scales, permute_token_idx, expert_token_num,
+               permute_topk_weight)
+    _core.check_reroute_out(
+        [_describe(t, n) for t, n in zip(inputs, _bridge.INPUT_NAMES)],
+        [_describe(t, n, output=True) for t, n in zip(outputs, _core.FORWARD_OUTPUT_NAMES)],
+        tokens_dtype=tokens_dtype,
+        **_bridge.attributes(expert_token_num_type, idx_type, expert_alignment,
+                             allow_spare_rows))
 
 
 @torch.library.register_fake("moe_reroute::moe_re_routing_inverse")

@@ -39,6 +39,18 @@ std::vector<std::int64_t> logical_dims(std::span<const std::int64_t> dims, int s
 
 void fail(ErrorCode code, const std::string& message) { throw Error(code, message); }
 
+void fail_not_contiguous(std::string_view arg) {
+  fail(ErrorCode::kInvalidArgument,
+       std::string(arg) + ": must be contiguous (dense row-major); got strides that are not");
+}
+
+void fail_device(std::string_view arg, std::string_view tokens_device) {
+  fail(ErrorCode::kInvalidArgument,
+       std::string(arg) + ": must be " +
+           (tokens_device == "cpu" ? std::string("in CPU memory like tokens")
+                                   : "on " + std::string(tokens_device) + " like tokens"));
+}
+
 TensorView core_view(const void* data, Storage storage, std::span<const std::int64_t> dims,
                      const char* arg, const std::optional<std::string>& logical,
                      const char* logical_arg) {

@@ -20,6 +20,13 @@ namespace moe_reroute::adapter {
 /// Throws Error(code, message): the one way the adapters refuse an argument.
 [[noreturn]] void fail(ErrorCode code, const std::string& message);
 
+/// Refuses `arg`, which is not dense row-major (an output given to be written).
+[[noreturn]] void fail_not_contiguous(std::string_view arg);
+
+/// Refuses `arg`, which is not on `tokens_device` (a framework's device name:
+/// "cpu", "cuda:0").
+[[noreturn]] void fail_device(std::string_view arg, std::string_view tokens_device);
+
 /// A framework element type: its name as the framework spells it ("bfloat16",
 /// "uint16", "float8_e4m3fn", "float4_e2m1fn_x2", ...) and its width in bits.
 struct Storage {

@@ -46,23 +46,23 @@ Buffer buffer_of(nb::handle array, bool writable) {
 
 // An argument as the Python layer hands it over: None, or (name, storage
 // dtype name, storage bits, shape, data) where data is the NumPy array itself,
-// or None for shape inference alone.
+// or None for shape inference alone; the torch fake kernels add the tensor's
+// device and whether it is contiguous: (..., None, device, contiguous).
 struct Arg {
   std::string name;
   std::string storage;
   int bits = 0;
   std::vector<std::int64_t> shape;
   Buffer data;
+  std::optional<std::string> device;  // a framework's name ("cpu", "cuda:0"), where described
+  bool contiguous = true;             // of a described tensor without data
 };
 
 void check_contiguous(const Py_buffer& view, const std::string& name) {
   Py_ssize_t expected = view.itemsize;
   if (view.len == 0) return;
   for (int d = view.ndim; d-- > 0;) {
-    if (view.shape[d] != 1 && view.strides[d] != expected) {
-      fail(ErrorCode::kInvalidArgument,
-           name + ": must be contiguous (dense row-major); got strides that are not");
-    }
+    if (view.shape[d] != 1 && view.strides[d] != expected) adapter::fail_not_contiguous(name);
     expected *= view.shape[d];
   }
 }
@@ -72,13 +72,24 @@ std::optional<Arg> arg_of(nb::handle object, bool writable) {
   if (object.is_none()) return std::nullopt;
   const nb::tuple fields = nb::cast<nb::tuple>(object);
   Arg arg{nb::cast<std::string>(fields[0]), nb::cast<std::string>(fields[1]),
-          nb::cast<int>(fields[2]), nb::cast<std::vector<std::int64_t>>(fields[3]), nullptr};
+          nb::cast<int>(fields[2]), nb::cast<std::vector<std::int64_t>>(fields[3]), nullptr,
+          std::nullopt, true};
   if (!fields[4].is_none()) arg.data = buffer_of(fields[4], writable);
+  if (fields.size() == 7) {
+    arg.device = nb::cast<std::string>(fields[5]);
+    arg.contiguous = nb::cast<bool>(fields[6]);
+  }
   return arg;
 }
 
-TensorView view(const Arg& arg, const std::optional<std::string>& logical, const char* logical_arg) {
+// The core view of `arg`, refused as the torch kernels refuse it: off
+// `device` (tokens' device, where described), not contiguous, or of a dtype
+// the core does not take as `logical`.
+TensorView view(const Arg& arg, const std::optional<std::string>& device,
+                const std::optional<std::string>& logical, const char* logical_arg) {
+  if (device && arg.device && *arg.device != *device) adapter::fail_device(arg.name, *device);
   if (arg.data) check_contiguous(*arg.data, arg.name);
+  if (!arg.contiguous) adapter::fail_not_contiguous(arg.name);
   return adapter::core_view(arg.data ? arg.data->buf : nullptr, {arg.storage, arg.bits},
                             arg.shape, arg.name.c_str(), logical, logical_arg);
 }
@@ -98,12 +109,17 @@ struct Inputs {
     if (args[2]) scales_dtype = adapter::scales_dtype({args[2]->storage, args[2]->bits});
   }
 
+  // The device every argument must be on: tokens', where described.
+  const std::optional<std::string>& device() const { return args[0]->device; }
+
   template <typename CoreInputs>
   CoreInputs views() const {
-    CoreInputs inputs{view(*args[0], tokens_dtype, "tokens_dtype"),
-                      view(*args[1], std::nullopt, "")};
-    if (args[2]) inputs.per_token_scales = view(*args[2], scales_dtype, "per_token_scales");
-    if (args[3]) inputs.expert_topk_weight = view(*args[3], std::nullopt, "");
+    CoreInputs inputs{view(*args[0], device(), tokens_dtype, "tokens_dtype"),
+                      view(*args[1], device(), std::nullopt, "")};
+    if (args[2]) {
+      inputs.per_token_scales = view(*args[2], device(), scales_dtype, "per_token_scales");
+    }
+    if (args[3]) inputs.expert_topk_weight = view(*args[3], device(), std::nullopt, "");
     return inputs;
   }
 };
@@ -218,6 +234,32 @@ OutputArrays forward_outputs(const std::optional<nb::sequence>& outputs, const I
                       adapter::kForwardStoredLike, adapter::kForwardOutputNames, call);
 }
 
+// The forward's output views, read as the torch kernel reads out= tensors.
+RerouteOutputs forward_views(const Inputs& call, const std::vector<Arg>& args) {
+  const std::optional<std::string>& device = call.device();
+  const std::optional<std::string> out_scales = call.args[2] ? call.scales_dtype : std::nullopt;
+  return {view(args[0], device, call.tokens_dtype, "permute_tokens"),
+          view(args[1], device, out_scales, "permute_per_token_scales"),
+          view(args[2], device, std::nullopt, ""), view(args[3], device, std::nullopt, ""),
+          view(args[4], device, std::nullopt, "")};
+}
+
+// The out= call refused from descriptions alone, as the torch kernel refuses
+// it before reading any data (the fake kernel of moe_re_routing_out): the
+// inputs' views, the outputs' (device, layout, dtype), the shape rules, then
+// each output's spec.
+void check_forward_out(const nb::sequence& inputs, const nb::sequence& outputs,
+                       const std::optional<std::string>& tokens_dtype, int expert_token_num_type,
+                       int idx_type, std::int64_t expert_alignment, bool allow_spare_rows) {
+  const Inputs call(inputs, tokens_dtype);
+  const RerouteInputs views = call.views<RerouteInputs>();
+  const OutputArrays out(outputs, adapter::kForwardOutputNames.size());
+  const RerouteOutputs out_views = forward_views(call, out.args);
+  check_output_specs(infer_reroute(views, attributes_of(expert_token_num_type, idx_type,
+                                                        expert_alignment, allow_spare_rows)),
+                     out_views);
+}
+
 nb::tuple run_forward(const nb::sequence& inputs, const std::optional<nb::sequence>& outputs,
                       const std::optional<std::string>& tokens_dtype, int expert_token_num_type,
                       int idx_type, std::int64_t expert_alignment, bool allow_spare_rows,
@@ -227,12 +269,7 @@ nb::tuple run_forward(const nb::sequence& inputs, const std::optional<nb::sequen
   const Attributes attributes =
       attributes_of(expert_token_num_type, idx_type, expert_alignment, allow_spare_rows);
   const OutputArrays out = forward_outputs(outputs, call, views, attributes);
-  const std::vector<Arg>& args = out.args;
-  const std::optional<std::string> out_scales = call.args[2] ? call.scales_dtype : std::nullopt;
-  const RerouteOutputs out_views{view(args[0], tokens_dtype, "permute_tokens"),
-                                 view(args[1], out_scales, "permute_per_token_scales"),
-                                 view(args[2], std::nullopt, ""), view(args[3], std::nullopt, ""),
-                                 view(args[4], std::nullopt, "")};
+  const RerouteOutputs out_views = forward_views(call, out.args);
   {
     nb::gil_scoped_release release;
     moe_re_routing(views, out_views, attributes, num_threads);
@@ -249,12 +286,12 @@ nb::tuple run_backward(const nb::sequence& inputs, const std::optional<std::stri
   const OutputArrays out(adapter::output_specs(infer_inverse(views, attributes)),
                          adapter::kInverseStoredLike, adapter::kInverseOutputNames, call);
   const std::vector<Arg>& args = out.args;
-  InverseOutputs out_views{view(args[0], tokens_dtype, "restored_tokens")};
+  InverseOutputs out_views{view(args[0], call.device(), tokens_dtype, "restored_tokens")};
   if (call.args[2]) {
     out_views.restored_per_token_scales =
-        view(args[1], call.scales_dtype, "restored_per_token_scales");
+        view(args[1], call.device(), call.scales_dtype, "restored_per_token_scales");
   }
-  if (call.args[3]) out_views.restored_topk_weight = view(args[2], std::nullopt, "");
+  if (call.args[3]) out_views.restored_topk_weight = view(args[2], call.device(), std::nullopt, "");
   {
     nb::gil_scoped_release release;
     moe_re_routing_inverse(views, out_views, attributes, num_threads);
@@ -285,6 +322,9 @@ NB_MODULE(_core, m) {
   using namespace moe_reroute;
   m.doc() = "The C++ core of moe_reroute; use the functions of the moe_reroute package.";
   m.attr("__version__") = MOE_REROUTE_VERSION_STRING;
+  nb::list forward_output_names;
+  for (const char* name : adapter::kForwardOutputNames) forward_output_names.append(name);
+  m.attr("FORWARD_OUTPUT_NAMES") = nb::tuple(forward_output_names);
 
   nb::register_exception_translator([](const std::exception_ptr& pointer, void*) {
     try {
@@ -302,11 +342,18 @@ NB_MODULE(_core, m) {
   m.def("infer_reroute", &infer_forward, nb::arg("inputs"), nb::kw_only(),
         nb::arg("tokens_dtype").none(), nb::arg("expert_token_num_type"), nb::arg("idx_type"),
         nb::arg("expert_alignment"), nb::arg("allow_spare_rows"),
-        "The five output specs [(dtype name, logical shape)] of the forward for inputs "
-        "(tokens, counts, scales, weight); the core's infer_reroute.");
+        "The five output specs [(dtype name, logical shape, the index of the input it is "
+        "stored like or None)] of the forward for inputs (tokens, counts, scales, weight); "
+        "the core's infer_reroute.");
   m.def("infer_inverse", &infer_backward, nb::arg("inputs"), nb::kw_only(),
         nb::arg("tokens_dtype").none(), nb::arg("expert_alignment"), nb::arg("allow_spare_rows"),
         "The three output specs of the inverse (an absent output: float32 (0,)).");
+  m.def("check_reroute_out", &check_forward_out, nb::arg("inputs"), nb::arg("outputs"),
+        nb::kw_only(), nb::arg("tokens_dtype").none(), nb::arg("expert_token_num_type"),
+        nb::arg("idx_type"), nb::arg("expert_alignment"), nb::arg("allow_spare_rows"),
+        "Refuses an out= call from its described arguments (no data) as the torch kernel "
+        "would before reading any: the inputs, then each output's device, layout, dtype and "
+        "spec.");
   m.def("reroute", &run_forward, nb::arg("inputs"), nb::arg("outputs").none(), nb::kw_only(),
         nb::arg("tokens_dtype").none(), nb::arg("expert_token_num_type"), nb::arg("idx_type"),
         nb::arg("expert_alignment"), nb::arg("allow_spare_rows"), nb::arg("num_threads") = 0,

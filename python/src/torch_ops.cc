@@ -115,11 +115,7 @@ std::optional<std::string> name_of(const OptionalName& name) {
 }
 
 void check_device(const Tensor& tensor, const char* arg, const c10::Device& device) {
-  if (tensor.device() == device) return;
-  fail(ErrorCode::kInvalidArgument,
-       std::string(arg) + ": must be " +
-           (device.is_cuda() ? "on " + device.str() + " like tokens"
-                             : std::string("in CPU memory like tokens")));
+  if (tensor.device() != device) adapter::fail_device(arg, device.str());
 }
 
 // The device of a call: tokens', where the build has its backend.
@@ -135,10 +131,7 @@ c10::Device call_device(const Tensor& tokens) {
 TensorView view(const Tensor& tensor, const char* arg, const std::optional<std::string>& logical,
                 const char* logical_arg, const c10::Device& device) {
   check_device(tensor, arg, device);
-  if (!tensor.is_contiguous()) {
-    fail(ErrorCode::kInvalidArgument,
-         std::string(arg) + ": must be contiguous (dense row-major); got strides that are not");
-  }
+  if (!tensor.is_contiguous()) adapter::fail_not_contiguous(arg);
   const c10::IntArrayRef sizes = tensor.sizes();
   return adapter::core_view(tensor.data_ptr(), storage(tensor), {sizes.data(), sizes.size()}, arg,
                             logical, logical_arg);
@@ -348,8 +341,10 @@ void reroute_out(const Tensor& tokens, const Tensor& counts, const Tensor& permu
                  std::int64_t expert_token_num_type, std::int64_t idx_type,
                  OptionalName tokens_dtype, std::int64_t expert_alignment, bool allow_spare_rows) {
   translated([&] {
+    // The inputs' views first, then the outputs': the order the fake kernel checks in.
     const Call call(tokens, counts, scales, weight, tokens_dtype);
-    run(call, call.inputs<RerouteInputs>(),
+    const RerouteInputs inputs = call.inputs<RerouteInputs>();
+    run(call, inputs,
         reroute_outputs(call, permute_tokens, permute_per_token_scales, permute_token_idx,
                         expert_token_num, permute_topk_weight),
         attributes_of(expert_token_num_type, idx_type, expert_alignment, allow_spare_rows));

@@ -4,8 +4,11 @@
 
 #include <gtest/gtest.h>
 
+#include <cstddef>
+#include <cstring>
 #include <optional>
 #include <ostream>
+#include <string>
 #include <vector>
 
 #include "sweep.h"
@@ -130,6 +133,62 @@ TEST(IndexLimit, InferenceAcceptsExactlyInt32MaxTokens) {
 TEST(IndexLimit, InverseWritesNoIndexSoTakesMoreRows) {
   const TensorView tokens = meta(DType::kInt8, {kIndexLimit + 1, 1});
   EXPECT_EQ(infer_inverse({tokens, meta(DType::kInt32, {1, 1})}).restored_tokens, tokens.spec);
+}
+
+// check_output_specs, the data-free check of given outputs (the torch fake
+// kernel of out=): every output in its inferred spec passes with null data;
+// each output off its spec is refused with run_reroute's own message for it.
+TEST(CheckOutputSpecs, RefusesEachOutputOffItsSpecAsTheRunDoes) {
+  const RerouteInputs inputs{meta(DType::kBFloat16, {6, 4}), meta(DType::kInt32, {2, 2}),
+                             meta(DType::kFloat32, {6}), meta(DType::kFloat32, {6, 1})};
+  const RerouteOutputSpecs specs = infer_reroute(inputs, {});
+  const std::vector<TensorSpec> wanted = {specs.permute_tokens, specs.permute_per_token_scales,
+                                          specs.permute_token_idx, specs.expert_token_num,
+                                          specs.permute_topk_weight};
+  const auto outputs_of = [](const std::vector<TensorSpec>& given, std::vector<std::vector<std::byte>>* memory) {
+    std::vector<TensorView> views;
+    for (const TensorSpec& spec : given) {
+      void* data = nullptr;
+      if (memory) data = memory->emplace_back(static_cast<std::size_t>(spec.nbytes()) + 1).data();
+      views.emplace_back(data, spec.dtype, spec.shape);
+    }
+    return RerouteOutputs{views[0], views[1], views[2], views[3], views[4]};
+  };
+  EXPECT_NO_THROW(check_output_specs(specs, outputs_of(wanted, nullptr)));
+
+  // Real inputs, for the run's message: counts summing to A = 6.
+  std::vector<std::vector<std::byte>> memory;
+  RerouteInputs real = inputs;
+  for (TensorView* view : {&real.tokens, &real.expert_token_num_per_rank}) {
+    view->data = memory.emplace_back(static_cast<std::size_t>(view->nbytes())).data();
+  }
+  real.per_token_scales->data = memory.emplace_back(24).data();
+  real.expert_topk_weight->data = memory.emplace_back(24).data();
+  const std::int32_t counts[] = {1, 2, 0, 3};
+  std::memcpy(real.expert_token_num_per_rank.data, counts, sizeof(counts));
+  const char* names[] = {"permute_tokens", "permute_per_token_scales", "permute_token_idx",
+                         "expert_token_num", "permute_topk_weight"};
+  for (std::size_t i = 0; i < wanted.size(); ++i) {
+    SCOPED_TRACE(names[i]);
+    std::vector<TensorSpec> given = wanted;
+    given[i].shape.dims[0] += 1;
+    std::string refused;
+    try {
+      check_output_specs(specs, outputs_of(given, nullptr));
+    } catch (const Error& error) {
+      EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+      refused = error.what();
+    }
+    EXPECT_EQ(refused, std::string(names[i]) + ": must be " + wanted[i].to_string() + ", got " +
+                           given[i].to_string());
+    std::vector<std::vector<std::byte>> out_memory;
+    try {
+      moe_re_routing(real, outputs_of(given, &out_memory));
+      ADD_FAILURE() << "the run took an output off its spec";
+    } catch (const Error& error) {
+      EXPECT_EQ(error.what(), refused);
+    }
+  }
 }
 
 }  // namespace

@@ -144,6 +144,86 @@ def test_fake_compile_and_export_refuse_as_eager(label, changes, error, message)
     assert f"{error.__name__}({str(eager)!r})" in str(caught.value)
 
 
+def refusals(call, arguments):
+    """The exception eager raises for `call(**arguments)`, and FakeTensorMode's."""
+    with pytest.raises(Exception) as eager:
+        call(**arguments)
+    with FakeTensorMode() as mode:
+        fake = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
+                for k, v in arguments.items()}
+        with pytest.raises(Exception) as faked:
+            call(**fake)
+    return eager.value, faked.value
+
+
+def out_arguments():
+    tokens, counts, scales, weight = workload(20, seed=5)
+    out = [torch.empty_like(t) for t in OPS.moe_re_routing(tokens, counts, scales, weight)]
+    names = ("permute_tokens", "permute_per_token_scales", "permute_token_idx",
+             "expert_token_num", "permute_topk_weight")
+    return dict(tokens=tokens, expert_token_num_per_rank=counts, per_token_scales=scales,
+                expert_topk_weight=weight, **dict(zip(names, out)))
+
+
+# out= tensors the kernel refuses before reading any data: (label, output, a
+# replacement made from the good one, the message's start).
+BAD_OUT = [
+    ("tokens dtype", "permute_tokens", lambda t: t.float(), "permute_tokens: must be float16"),
+    ("tokens rows", "permute_tokens", lambda t: torch.empty(21, 8, dtype=t.dtype),
+     "permute_tokens: must be float16[20, 8], got float16[21, 8]"),
+    ("tokens hidden", "permute_tokens", lambda t: torch.empty(20, 9, dtype=t.dtype),
+     "permute_tokens: must be"),
+    ("tokens not contiguous", "permute_tokens",
+     lambda t: torch.empty(8, 20, dtype=t.dtype).t(), "permute_tokens: must be contiguous"),
+    ("scales rows", "permute_per_token_scales", lambda t: torch.empty(19),
+     "permute_per_token_scales: must be"),
+    ("index int64", "permute_token_idx", lambda t: t.long(),
+     "permute_token_idx: must be int32[20], got int64[20]"),
+    ("expert_token_num length", "expert_token_num",
+     lambda t: torch.empty(t.shape[0] + 1, dtype=t.dtype), "expert_token_num: must be"),
+    ("weight [A]", "permute_topk_weight", lambda t: torch.empty(20),
+     "permute_topk_weight: must be float32[20, 1], got float32[20]"),
+    ("weight on another device", "permute_topk_weight",
+     lambda t: torch.empty_like(t, device="meta"), "permute_topk_weight: must be in CPU memory"),
+]
+
+
+@pytest.mark.parametrize(("label", "name", "replace", "message"), BAD_OUT,
+                         ids=[b[0] for b in BAD_OUT])
+def test_fake_and_compile_refuse_bad_out_tensors_as_eager(label, name, replace, message):
+    arguments = out_arguments()
+    arguments[name] = replace(arguments[name])
+    eager, faked = refusals(OPS.moe_re_routing_out, arguments)
+    assert type(eager) is ValueError and str(eager).startswith(message)
+    assert (type(faked), str(faked)) == (type(eager), str(eager))
+
+    if label.endswith("device"):
+        return  # a meta output sends eager to the fake kernel too; no input for compile
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda **a: OPS.moe_re_routing_out(**a), fullgraph=True)
+    with pytest.raises(Exception) as caught:
+        compiled(**arguments)
+    assert f"ValueError({str(eager)!r})" in str(caught.value)
+
+
+@pytest.mark.parametrize("op", ["moe_re_routing", "moe_re_routing_inverse"])
+@pytest.mark.parametrize("name", ["expert_token_num_per_rank", "per_token_scales",
+                                  "expert_topk_weight"])
+def test_fake_refuses_an_input_on_another_device_as_eager(op, name):
+    """A meta tensor sends even the eager call to the fake kernel (the Meta
+    key outranks CPU), which refused nothing here before and returned outputs
+    on two devices. The C++ kernel's refusal (on a GPU, tests/python/test_cuda.py)
+    is worded by the same adapter function, fail_device; the message is checked
+    as the contract states it."""
+    tokens, counts, scales, weight = workload(20, seed=6)
+    arguments = dict(tokens=tokens, expert_token_num_per_rank=counts, per_token_scales=scales,
+                     expert_topk_weight=weight)
+    arguments[name] = arguments[name].to("meta")
+    eager, faked = refusals(getattr(OPS, op), arguments)
+    assert (type(eager), str(eager)) == (ValueError, f"{name}: must be in CPU memory like tokens")
+    assert (type(faked), str(faked)) == (type(eager), str(eager))
+
+
 def routed(tokens, counts, scales, weight):
     outputs = moe_reroute.moe_re_routing(tokens, counts, per_token_scales=scales,
                                          expert_topk_weight=weight, idx_type=1)
