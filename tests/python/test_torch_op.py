@@ -144,6 +144,35 @@ def test_fake_compile_and_export_refuse_as_eager(label, changes, error, message)
     assert f"{error.__name__}({str(eager)!r})" in str(caught.value)
 
 
+INVERSE_ARGUMENTS = ("tokens", "expert_token_num_per_rank", "per_token_scales",
+                     "expert_topk_weight", "tokens_dtype", "expert_alignment", "allow_spare_rows")
+
+
+@pytest.mark.parametrize(("label", "changes", "error", "message"), DATA_FREE,
+                         ids=[b[0] for b in DATA_FREE])
+def test_inverse_fake_refuses_as_eager(label, changes, error, message):
+    """The inverse's fake kernel against its eager kernel on the forward's bad
+    inputs: the same exception where eager refuses (the inverse checks no
+    pairing, so some of them it takes), and outputs of eager's specs where not."""
+    arguments = {k: v for k, v in as_torch(good() | changes).items() if k in INVERSE_ARGUMENTS}
+    try:
+        eager = OPS.moe_re_routing_inverse(**arguments)
+    except Exception as refused:  # noqa: BLE001 - compared with the fake's below
+        eager = refused
+    with FakeTensorMode() as mode:
+        fake = {k: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
+                for k, v in arguments.items()}
+        try:
+            faked = OPS.moe_re_routing_inverse(**fake)
+        except Exception as refused:  # noqa: BLE001
+            faked = refused
+    if isinstance(eager, Exception):
+        assert (type(faked), str(faked)) == (type(eager), str(eager))
+    else:
+        assert [(t.dtype, tuple(t.shape)) for t in faked] == [(t.dtype, tuple(t.shape))
+                                                              for t in eager]
+
+
 def refusals(call, arguments):
     """The exception eager raises for `call(**arguments)`, and FakeTensorMode's."""
     with pytest.raises(Exception) as eager:
