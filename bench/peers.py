@@ -1,7 +1,8 @@
 """The Python peer benchmark: moe_reroute's torch operator (and its NumPy
 entry) beside torch.index_select by a precomputed index, Megatron-Core's
 unfused split/cat path, NumPy fancy indexing and torch clone (the copy limit
-of the same bytes), all in one process, contenders interleaved call by call.
+of the same bytes), all in one process, contenders interleaved call by call
+(block by block in the loops table).
 
 - overhead: A = 1 (bf16 H = 7168), per-call cost against one index_select of
   the tokens, plain and under torch.inference_mode, and the NumPy call beside
@@ -9,6 +10,9 @@ of the same bytes), all in one process, contenders interleaved call by call.
 - decode: A = 256 bf16 H = 7168, float32 scales [A] and weights [A, 1],
   against index_select of the tokens alone (and the NumPy call beside fancy
   indexing of the tokens);
+- loops: decode again, in blocks of back-to-back calls of one contender
+  (the ops with fresh outputs and with out=, index_select with and without
+  out=), as a caller looping over one operator sees it;
 - prefill: A = 16384 int8 H = 7168 with scales and weights, against clone of
   the same three tensors (fresh outputs every call, as in a model).
 
@@ -18,7 +22,7 @@ medians, the ratios, each row's slowest timed call and its first call over
 its median (outliers; WARMUP_CALLS untimed calls come first), and at prefill
 one call of the operator and of clone after a few seconds idle.
 
-    python bench/peers.py [--repeats N] [--only overhead|decode|prefill]
+    python bench/peers.py [--repeats N] [--only overhead|decode|loops|prefill]
                           [--allocator default|thp|both]
 """
 
@@ -66,31 +70,60 @@ def megatron_unfused(tokens, counts, scales, weight):
 WARMUP_CALLS = 4
 
 
-def timings_us(fns, repeats):
-    """name -> (median, slowest, first) microseconds of fns[name](): the
-    contenders interleaved call by call so that a change in load hits all of
-    them, timed after WARMUP_CALLS calls each, the first of which is reported."""
+def summary_us(fns, timed_ns):
+    """name -> (median, slowest, first) microseconds per call: one first call
+    of each of `fns`, timed alone, then `timed_ns(clock)`, which returns
+    name -> the nanoseconds per call it timed."""
     clock = time.perf_counter_ns
     first = {}
     for name, fn in fns.items():
         start = clock()
         fn()
         first[name] = clock() - start
-    for _ in range(WARMUP_CALLS - 1):
-        for fn in fns.values():
-            fn()
-    times = {name: [] for name in fns}
-    order = list(fns.items())
-    for round_ in range(repeats):
-        # A rotating order: no contender always follows the same one (whose
-        # frees decide where the allocator puts the next outputs).
-        shift = round_ % len(order)
-        for name, fn in order[shift:] + order[:shift]:
-            start = clock()
-            fn()
-            times[name].append(clock() - start)
     return {name: (statistics.median(t) / 1e3, max(t) / 1e3, first[name] / 1e3)
-            for name, t in times.items()}
+            for name, t in timed_ns(clock).items()}
+
+
+def timings_us(fns, repeats):
+    """name -> (median, slowest, first) microseconds of fns[name](): the
+    contenders interleaved call by call so that a change in load hits all of
+    them, timed after WARMUP_CALLS calls each, the first of which is reported."""
+    def interleaved(clock):
+        for _ in range(WARMUP_CALLS - 1):
+            for fn in fns.values():
+                fn()
+        times = {name: [] for name in fns}
+        order = list(fns.items())
+        for round_ in range(repeats):
+            # A rotating order: no contender always follows the same one (whose
+            # frees decide where the allocator puts the next outputs).
+            shift = round_ % len(order)
+            for name, fn in order[shift:] + order[:shift]:
+                start = clock()
+                fn()
+                times[name].append(clock() - start)
+        return times
+    return summary_us(fns, interleaved)
+
+
+def block_timings_us(fns, blocks, calls):
+    """name -> (median, slowest, first) microseconds per call of fns[name]()
+    in `blocks` blocks of `calls` back-to-back calls, the contenders' blocks
+    alternating: what a caller looping over one operator sees, each call
+    reusing the memory its predecessor freed. Slowest is the slowest block;
+    first the first call. Each block follows WARMUP_CALLS untimed calls."""
+    def in_blocks(clock):
+        per_call = {name: [] for name in fns}
+        for _ in range(blocks):
+            for name, fn in fns.items():
+                for _ in range(WARMUP_CALLS):
+                    fn()
+                start = clock()
+                for _ in range(calls):
+                    fn()
+                per_call[name].append((clock() - start) / calls)
+        return per_call
+    return summary_us(fns, in_blocks)
 
 
 def check(name, got, want):
@@ -182,6 +215,34 @@ def decode(repeats):
                 f"median of {repeats}", times, "torch.index_select (tokens)")
 
 
+def decode_loops(blocks=7, calls=300):
+    """Decode in own loops (block_timings_us), each op called at its
+    torch.ops overload: fresh outputs and out= beside index_select's."""
+    tokens, counts, scales, weight, _, index, result = checked_workload(256, torch.bfloat16)
+    out = [torch.empty_like(t) for t in result]
+    selected = torch.empty_like(tokens)
+    for poisoned in (*out, selected):
+        poisoned.view(torch.uint8).fill_(0xA5)
+    forward, forward_out = OPS.moe_re_routing.default, OPS.moe_re_routing_out.default
+    fns = {
+        "torch.index_select (tokens)": lambda: torch.index_select(tokens, 0, index),
+        "torch.index_select (tokens) out=": lambda: torch.index_select(tokens, 0, index,
+                                                                       out=selected),
+        "torch.ops.moe_reroute.moe_re_routing": lambda: forward(tokens, counts, scales, weight),
+        "torch.ops.moe_reroute.moe_re_routing_out": lambda: forward_out(tokens, counts, *out,
+                                                                        scales, weight),
+    }
+    for fn in fns.values():
+        fn()
+    check("loops (out=)", (selected, out[0], out[1], out[4], out[2], out[3]),
+          [torch.index_select(t, 0, index) for t in (tokens, tokens, scales, weight)]
+          + [result[2], result[3]])
+    times = block_timings_us(fns, blocks, calls)
+    print_table(f"loops: A=256 bf16 H={HIDDEN}, f32 scales [A], weights [A,1], median of "
+                f"{blocks} blocks of {calls} calls (slowest: the slowest block)", times,
+                "torch.index_select (tokens)")
+
+
 def prefill(repeats):
     tokens, counts, scales, weight, kwargs, index, result = checked_workload(16384, torch.int8)
     arrays = [t.numpy() for t in (tokens, counts, scales, weight)]
@@ -232,7 +293,7 @@ def cpu_model():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=40)
-    parser.add_argument("--only", choices=("overhead", "decode", "prefill"))
+    parser.add_argument("--only", choices=("overhead", "decode", "loops", "prefill"))
     parser.add_argument("--allocator", choices=("default", "thp", "both"), default="both")
     args = parser.parse_args()
     thp = os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
@@ -247,6 +308,8 @@ def main():
         overhead(max(args.repeats, 5000))
     if args.only in (None, "decode"):
         decode(max(args.repeats, 500))
+    if args.only in (None, "loops"):
+        decode_loops()
     if args.only in (None, "prefill"):
         prefill(args.repeats)
     if args.allocator == "both":
