@@ -133,6 +133,15 @@ def check(name, got, want):
             raise SystemExit(f"{name}: result differs from index_select by the gather index")
 
 
+def poisoned_like(tensors):
+    """Outputs for out= calls, each like one of `tensors` with every byte 0xA5:
+    a byte the call leaves unwritten fails check."""
+    outputs = [torch.empty_like(t) for t in tensors]
+    for output in outputs:
+        output.view(torch.uint8).fill_(0xA5)
+    return outputs
+
+
 def print_table(title, times, baseline):
     print(f"\n{title}")
     print(f"| {'method':<52} | {'median us':>10} | {'x ' + baseline:>22} | {'slowest/median':>14} "
@@ -191,7 +200,9 @@ def checked_workload(num_tokens, dtype):
 
 def decode(repeats):
     tokens, counts, scales, weight, kwargs, index, result = checked_workload(256, torch.bfloat16)
-    out = [torch.empty_like(t) for t in result]
+    out = poisoned_like(result)
+    moe_reroute.moe_re_routing(tokens, counts, **kwargs, out=out)
+    check("decode (out=)", out, result)
     np_tokens, np_counts = numpy_of(tokens, counts)
     np_kwargs = dict(per_token_scales=scales.numpy(), expert_topk_weight=weight.numpy(),
                      tokens_dtype="bfloat16")
@@ -219,10 +230,8 @@ def decode_loops(blocks=7, calls=300):
     """Decode in own loops (block_timings_us), each op called at its
     torch.ops overload: fresh outputs and out= beside index_select's."""
     tokens, counts, scales, weight, _, index, result = checked_workload(256, torch.bfloat16)
-    out = [torch.empty_like(t) for t in result]
-    selected = torch.empty_like(tokens)
-    for poisoned in (*out, selected):
-        poisoned.view(torch.uint8).fill_(0xA5)
+    out = poisoned_like(result)
+    (selected,) = poisoned_like([tokens])
     forward, forward_out = OPS.moe_re_routing.default, OPS.moe_re_routing_out.default
     fns = {
         "torch.index_select (tokens)": lambda: torch.index_select(tokens, 0, index),
