@@ -93,8 +93,8 @@ ReferenceOutputs move_rows(const ReferenceInputs& in, std::int64_t rows, bool ze
 
 }  // namespace
 
-ReferenceOutputs reference_reroute(const ReferenceInputs& in, int expert_token_num_type,
-                                   int idx_type) {
+ReferenceOutputs reference_reroute(const ReferenceInputs& in, std::int64_t expert_token_num_type,
+                                   std::int64_t idx_type) {
   const auto src = [&](std::int64_t r, std::int64_t e) { return rank_order_offset(in, r, e); };
   const auto dst = [&](std::int64_t r, std::int64_t e) { return expert_order_offset(in, r, e); };
   ReferenceOutputs out = move_rows(in, expert_rows(in), /*zero_scales=*/true, src, dst);

@@ -40,8 +40,8 @@ struct ReferenceOutputs {
 /// The forward of docs/spec.md sections 3 and 9: R = A rows when k = 1, else
 /// A + E * (k - 1); pad rows zero, gather index -1 at pad and tail rows,
 /// scatter index -1 at spare rows, cumsum over the padded segments.
-ReferenceOutputs reference_reroute(const ReferenceInputs& in, int expert_token_num_type,
-                                   int idx_type);
+ReferenceOutputs reference_reroute(const ReferenceInputs& in, std::int64_t expert_token_num_type,
+                                   std::int64_t idx_type);
 
 /// The inverse: R rows in (padded) expert order back to A rows in rank order.
 ReferenceOutputs reference_inverse(const ReferenceInputs& in);

@@ -14,8 +14,8 @@ namespace moe_reroute::tools {
 struct RunOptions {
   std::string tokens, counts, scales, topk_weight;
   std::string tokens_dtype, scales_dtype;
-  int idx_type = 0;
-  int expert_token_num_type = 1;
+  std::int64_t idx_type = 0;
+  std::int64_t expert_token_num_type = 1;
   std::int64_t expert_alignment = 1;
   bool allow_spare_rows = false;
   int threads = 0;
@@ -43,8 +43,8 @@ struct WorkloadOptions {
   bool topk_weight = true;
   double skew = 0.0;
   std::uint64_t seed = 0;
-  int idx_type = 0;
-  int expert_token_num_type = 1;
+  std::int64_t idx_type = 0;
+  std::int64_t expert_token_num_type = 1;
   std::int64_t expert_alignment = 1;
   std::int64_t valid_tokens = -1;  // rows the counts cover; -1: all (else allow_spare_rows)
 };

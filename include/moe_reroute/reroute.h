@@ -26,10 +26,11 @@ inline constexpr int kIdxGather = 0;
 inline constexpr int kIdxScatter = 1;
 
 /// The operator's attributes (docs/spec.md section 2 and 9). The inverse reads
-/// only expert_alignment and allow_spare_rows.
+/// only expert_alignment and allow_spare_rows. 64-bit like the int attributes
+/// of torch and Python, so that a bad value reaches validation whole.
 struct Attributes {
-  int expert_token_num_type = kExpertTokenNumCount;  // 1 = count, 0 = cumsum
-  int idx_type = kIdxGather;                         // 0 = gather, 1 = scatter
+  std::int64_t expert_token_num_type = kExpertTokenNumCount;  // 1 = count, 0 = cumsum
+  std::int64_t idx_type = kIdxGather;                         // 0 = gather, 1 = scatter
   std::int64_t expert_alignment = 1;  // k: each expert's segment is padded to a multiple of k rows
   bool allow_spare_rows = false;      // the counts may sum to less than A
   bool operator==(const Attributes& other) const = default;

@@ -16,10 +16,16 @@ def row(name: str) -> dict:
     return _ROWS[name]
 
 
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+
+
 def checked(name: str, value, kind):
-    """`value`, if it is a `kind` (int: not a bool); else TypeError naming `name`."""
+    """`value`, if it is a `kind` (int: not a bool, and within int64, as the
+    core takes it); else TypeError or ValueError naming `name`."""
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise TypeError(f"{name}: expected {kind.__name__}, got {type(value).__name__}")
+    if kind is int and not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{name}: {value} does not fit in int64")
     return value
 
 

@@ -124,7 +124,8 @@ struct Inputs {
   }
 };
 
-Attributes attributes_of(int expert_token_num_type, int idx_type, std::int64_t expert_alignment,
+Attributes attributes_of(std::int64_t expert_token_num_type, std::int64_t idx_type,
+                         std::int64_t expert_alignment,
                          bool allow_spare_rows) {
   return {expert_token_num_type, idx_type, expert_alignment, allow_spare_rows};
 }
@@ -145,7 +146,8 @@ nb::list specs_list(const std::array<TensorSpec, N>& specs, const std::array<int
 }
 
 nb::list infer_forward(const nb::sequence& inputs, const std::optional<std::string>& tokens_dtype,
-                       int expert_token_num_type, int idx_type, std::int64_t expert_alignment,
+                       std::int64_t expert_token_num_type, std::int64_t idx_type,
+                       std::int64_t expert_alignment,
                        bool allow_spare_rows) {
   const Inputs call(inputs, tokens_dtype);
   const RerouteOutputSpecs specs =
@@ -249,8 +251,9 @@ RerouteOutputs forward_views(const Inputs& call, const std::vector<Arg>& args) {
 // inputs' views, the outputs' (device, layout, dtype), the shape rules, then
 // each output's spec.
 void check_forward_out(const nb::sequence& inputs, const nb::sequence& outputs,
-                       const std::optional<std::string>& tokens_dtype, int expert_token_num_type,
-                       int idx_type, std::int64_t expert_alignment, bool allow_spare_rows) {
+                       const std::optional<std::string>& tokens_dtype,
+                       std::int64_t expert_token_num_type, std::int64_t idx_type,
+                       std::int64_t expert_alignment, bool allow_spare_rows) {
   const Inputs call(inputs, tokens_dtype);
   const RerouteInputs views = call.views<RerouteInputs>();
   const OutputArrays out(outputs, adapter::kForwardOutputNames.size());
@@ -261,8 +264,9 @@ void check_forward_out(const nb::sequence& inputs, const nb::sequence& outputs,
 }
 
 nb::tuple run_forward(const nb::sequence& inputs, const std::optional<nb::sequence>& outputs,
-                      const std::optional<std::string>& tokens_dtype, int expert_token_num_type,
-                      int idx_type, std::int64_t expert_alignment, bool allow_spare_rows,
+                      const std::optional<std::string>& tokens_dtype,
+                      std::int64_t expert_token_num_type, std::int64_t idx_type,
+                      std::int64_t expert_alignment, bool allow_spare_rows,
                       int num_threads) {
   const Inputs call(inputs, tokens_dtype);
   const RerouteInputs views = call.views<RerouteInputs>();

@@ -304,8 +304,7 @@ void run([[maybe_unused]] const Call& call, const InverseInputs& inputs,
 
 Attributes attributes_of(std::int64_t expert_token_num_type, std::int64_t idx_type,
                          std::int64_t expert_alignment, bool allow_spare_rows) {
-  return {static_cast<int>(expert_token_num_type), static_cast<int>(idx_type), expert_alignment,
-          allow_spare_rows};
+  return {expert_token_num_type, idx_type, expert_alignment, allow_spare_rows};
 }
 
 RerouteOutputs reroute_outputs(const Call& call, const Tensor& tokens, const Tensor& scales,

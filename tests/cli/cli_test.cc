@@ -498,6 +498,8 @@ TEST_F(BadInput, Spec4Violations) {
   expect_refused({}, "expert_topk_weight: dim 0 is 32",
                  {{"--topk-weight", file("w0.npy", "<f4", {32, 1})}});
   expect_refused({"--idx-type", "2"}, "idx_type: must be 0");
+  expect_refused({"--idx-type", "4294967296"},
+                 "idx_type: must be 0 (gather) or 1 (scatter), got 4294967296");
   expect_refused({"--expert-token-num-type", "-1"}, "expert_token_num_type: must be 0");
 }
 

@@ -238,6 +238,13 @@ std::vector<Refusal> forward_refusals() {
        {"expert_token_num_type", "got 2"}},
       {"idx_type_minus_1", keep_config, with_attributes({kExpertTokenNumCount, -1}), invalid,
        {"idx_type", "got -1"}},
+      // Whole 64-bit values: 2^32 is not 0 (gather), 2^32 + 1 not 1 (count).
+      {"expert_token_num_type_2_pow_32_plus_1", keep_config,
+       with_attributes({(std::int64_t{1} << 32) + 1, kIdxGather}), invalid,
+       {"expert_token_num_type", "got 4294967297"}},
+      {"idx_type_2_pow_32", keep_config,
+       with_attributes({kExpertTokenNumCount, std::int64_t{1} << 32}), invalid,
+       {"idx_type", "got 4294967296"}},
       // Rule 10: output specs.
       {"permute_tokens_wrong_shape", keep_config, output(&O::permute_tokens, bf16, {64, 15}),
        invalid, {"permute_tokens", "must be bfloat16[64, 16]", "got bfloat16[64, 15]"}},

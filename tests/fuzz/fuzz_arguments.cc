@@ -49,8 +49,10 @@ DType draw_dtype(FuzzedDataProvider& provider, std::initializer_list<DType> usua
   return *(usual.begin() + pick % static_cast<int>(usual.size()));
 }
 
-int draw_attribute(FuzzedDataProvider& provider) {
-  if (provider.ConsumeIntegralInRange<int>(0, 15) == 15) return provider.ConsumeIntegral<int>();
+std::int64_t draw_attribute(FuzzedDataProvider& provider) {
+  if (provider.ConsumeIntegralInRange<int>(0, 15) == 15) {
+    return provider.ConsumeIntegral<std::int64_t>();
+  }
   return provider.ConsumeIntegralInRange<int>(0, 1);
 }
 

@@ -61,6 +61,11 @@ BAD_INPUTS = [
     ("expert_token_num_type", dict(expert_token_num_type=2), ValueError,
      "expert_token_num_type: must be 0"),
     ("idx_type", dict(idx_type=-1), ValueError, "idx_type: must be 0"),
+    # Whole in every path: 2**32 once passed as 0 (gather) in the torch op.
+    ("expert_token_num_type 2**32+1", dict(expert_token_num_type=2**32 + 1), ValueError,
+     r"expert_token_num_type: must be 0 \(cumsum\) or 1 \(count\), got 4294967297$"),
+    ("idx_type 2**32", dict(idx_type=2**32), ValueError,
+     r"idx_type: must be 0 \(gather\) or 1 \(scatter\), got 4294967296$"),
     ("tokens_dtype unknown", dict(tokens=np.ones((A, 4), np.uint8), tokens_dtype="fp8"),
      TypeError, "tokens_dtype: unknown dtype 'fp8'"),
     ("tokens_dtype on float16", dict(tokens_dtype="hifloat8"), TypeError,
@@ -90,6 +95,7 @@ def test_bad_input_raises_naming_the_argument(framework, label, changes, error, 
                          if k in ("per_token_scales", "expert_topk_weight", "tokens_dtype")}
     # The inverse checks no pairing: its rows may be of any dtype.
     if label not in ("tokens int32", "expert_token_num_type", "idx_type",
+                     "expert_token_num_type 2**32+1", "idx_type 2**32",
                      "scales e8m0 with float16 tokens", "scales [A,K,2] with float16 tokens"):
         with pytest.raises(error, match=message):
             moe_reroute.moe_re_routing_inverse(tokens, counts, **inverse_arguments)
@@ -189,5 +195,14 @@ def test_fp4_storage_too_wide_to_double_is_refused():
 def test_numpy_attribute_of_the_wrong_type_is_named(keyword, value, message):
     arguments = good()
     with pytest.raises(TypeError, match=message):
+        moe_reroute.moe_re_routing(arguments.pop("tokens"),
+                                   arguments.pop("expert_token_num_per_rank"), **{keyword: value})
+
+
+@pytest.mark.parametrize("keyword", ["expert_token_num_type", "idx_type", "expert_alignment"])
+@pytest.mark.parametrize("value", [2**63, -2**63 - 1, 2**70])
+def test_numpy_attribute_past_int64_is_named(keyword, value):
+    arguments = good()
+    with pytest.raises(ValueError, match=f"^{keyword}: {value} does not fit in int64$"):
         moe_reroute.moe_re_routing(arguments.pop("tokens"),
                                    arguments.pop("expert_token_num_per_rank"), **{keyword: value})
