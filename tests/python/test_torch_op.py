@@ -17,9 +17,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moe_reroute
 import reference
+from cases import byte_rows, poisoned_outputs, rows
 from cases import check_torch_forward as check_forward
 from cases import check_torch_inverse as check_inverse
-from cases import rows
 from test_errors import BAD_INPUTS, as_torch, good
 
 OPS = torch.ops.moe_reroute
@@ -343,6 +343,31 @@ def test_out_writes_the_given_tensors():
     assert all(r is o for r, o in zip(result, out))
     assert [t.data_ptr() for t in result] == pointers
     check_forward(result, tokens, counts, scales, weight)
+
+
+@pytest.mark.parametrize("name", ["tokens", "per_token_scales", "expert_topk_weight",
+                                  "permute_tokens", "permute_per_token_scales",
+                                  "permute_topk_weight"])
+def test_out_refuses_an_argument_that_requires_grad_as_torch_out_functions_do(name):
+    """out= records no graph: with grad mode on, an argument that requires grad
+    is refused (RuntimeError naming it, nothing written) in eager and fake
+    calls; under no_grad the call writes the result."""
+    arguments = out_arguments()
+    inputs = [arguments[k] for k in ("tokens", "expert_token_num_per_rank", "per_token_scales",
+                                     "expert_topk_weight")]
+    names = list(arguments)[4:]
+    arguments |= zip(names, poisoned_outputs("torch", *inputs))
+    arguments[name].requires_grad_()
+    eager, faked = refusals(OPS.moe_re_routing_out, arguments)
+    assert type(eager) is RuntimeError
+    assert str(eager).startswith(f"{name}: requires grad, but moe_re_routing_out (out=) has no "
+                                 "autograd")
+    assert (type(faked), str(faked)) == (type(eager), str(eager))
+    assert all((byte_rows(arguments[output]) == reference.POISON).all() for output in names)
+
+    with torch.no_grad():
+        OPS.moe_re_routing_out(**arguments)
+    check_forward([arguments[output] for output in names], *inputs)
 
 
 def test_out_is_declared_mutated_in_the_schema():
