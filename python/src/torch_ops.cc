@@ -23,7 +23,6 @@
 #include <string>
 #include <string_view>
 #include <tuple>
-#include <utility>
 #include <vector>
 
 #include "adapter.h"
@@ -544,37 +543,24 @@ c10::TypedOperatorHandle<decltype(reroute_out)> out_op() {
   return op;
 }
 
-// The out= op's autograd kernel. out= has no derivative, so, as torch's own
-// out= functions do, it refuses an argument that requires grad while grad mode
-// is on (an output that requires grad would also be written behind autograd's
-// back); then on to the version bump below.
-void reroute_out_autograd(const Tensor& tokens, const Tensor& counts, const Tensor& permute_tokens,
-                          const Tensor& permute_per_token_scales, const Tensor& permute_token_idx,
-                          const Tensor& expert_token_num, const Tensor& permute_topk_weight,
-                          const OptionalTensor& scales, const OptionalTensor& weight,
-                          std::int64_t expert_token_num_type, std::int64_t idx_type,
-                          OptionalName tokens_dtype, std::int64_t expert_alignment,
-                          bool allow_spare_rows) {
+// The out= op's autograd kernel, boxed: it reads each argument by its schema
+// name. out= has no derivative, so, as torch's own out= functions do, it
+// refuses an argument that requires grad while grad mode is on (an output that
+// requires grad would also be written behind autograd's back); then on to the
+// version bump below.
+void reroute_out_autograd(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (at::GradMode::is_enabled()) {
-    const std::pair<const char*, const Tensor*> arguments[] = {
-        {"tokens", &tokens},
-        {"per_token_scales", scales ? &*scales : nullptr},
-        {"expert_topk_weight", weight ? &*weight : nullptr},
-        {"permute_tokens", &permute_tokens},
-        {"permute_per_token_scales", &permute_per_token_scales},
-        {"permute_token_idx", &permute_token_idx},
-        {"expert_token_num", &expert_token_num},
-        {"permute_topk_weight", &permute_topk_weight}};
-    for (const auto& [name, tensor] : arguments) {
-      TORCH_CHECK(tensor == nullptr || !tensor->requires_grad(), name,
+    const std::vector<c10::Argument>& arguments = op.schema().arguments();
+    const auto values = torch::jit::last(*stack, arguments.size());
+    for (std::size_t i = 0; i < arguments.size(); ++i) {
+      TORCH_CHECK(!values[i].isTensor() || !values[i].toTensor().requires_grad(),
+                  arguments[i].name(),
                   ": requires grad, but moe_re_routing_out (out=) has no autograd; call "
                   "moe_re_routing for gradients, or this under torch.no_grad()");
     }
   }
   const at::AutoDispatchBelowAutograd guard;
-  out_op().call(tokens, counts, permute_tokens, permute_per_token_scales, permute_token_idx,
-                expert_token_num, permute_topk_weight, scales, weight, expert_token_num_type,
-                idx_type, tokens_dtype, expert_alignment, allow_spare_rows);
+  op.callBoxed(stack);
 }
 
 // The out= op's ADInplaceOrView kernel: bumps the five outputs' version
@@ -682,7 +668,8 @@ TORCH_LIBRARY_IMPL(moe_reroute, CUDA, m) {
 TORCH_LIBRARY_IMPL(moe_reroute, Autograd, m) {
   m.impl("moe_re_routing", &ops::reroute_autograd);
   m.impl("moe_re_routing_inverse", &ops::inverse_autograd);
-  m.impl("moe_re_routing_out", &ops::reroute_out_autograd);
+  m.impl("moe_re_routing_out",
+         torch::CppFunction::makeFromBoxedFunction<&ops::reroute_out_autograd>());
 }
 
 TORCH_LIBRARY_IMPL(moe_reroute, ADInplaceOrView, m) {
