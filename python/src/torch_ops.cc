@@ -505,12 +505,63 @@ struct InverseFunction : torch::autograd::Function<InverseFunction> {
   }
 };
 
+// ---- forward-mode AD ----
+
+// Forward-mode AD's one level, as in torch's own derivative code.
+constexpr std::uint64_t kForwardLevel = 0;
+
+bool has_tangent(const Tensor& tensor) { return tensor._fw_grad(kForwardLevel).defined(); }
+bool has_tangent(const OptionalTensor& tensor) { return tensor && has_tangent(*tensor); }
+
+Tensor primal(const Tensor& tensor) { return tensor._fw_primal(kForwardLevel); }
+OptionalTensor primal(const OptionalTensor& tensor) {
+  return tensor ? OptionalTensor(primal(*tensor)) : std::nullopt;
+}
+
+// What the tangent call reads for an input: its tangent, or the input itself
+// (detached) where it has none; that output's tangent is then left unset.
+Tensor tangent_or_input(const Tensor& tensor) {
+  const Tensor& tangent = tensor._fw_grad(kForwardLevel);
+  return tangent.defined() ? tangent : tensor.detach();
+}
+OptionalTensor tangent_or_input(const OptionalTensor& tensor) {
+  return tensor ? OptionalTensor(tangent_or_input(*tensor)) : std::nullopt;
+}
+
+void set_tangent(const Tensor& output, const OptionalTensor& input, const Tensor& tangent) {
+  if (has_tangent(input)) output._set_fw_grad(tangent, kForwardLevel, /*is_inplace_op=*/false);
+}
+
+// Both ops are linear in tokens, scales and weight, so the tangent of each of
+// their data outputs (at kTokens, kScales, kWeight) is the same op run on the
+// inputs' tangents. `call(tokens, scales, weight)` runs the op; the primal call
+// gets the inputs without their tangents, through which backward mode still records.
+template <std::size_t kTokens, std::size_t kScales, std::size_t kWeight, typename Call>
+auto with_tangents(const Tensor& tokens, const OptionalTensor& scales,
+                   const OptionalTensor& weight, const Call& call) {
+  auto outputs = call(primal(tokens), primal(scales), primal(weight));
+  const auto tangents =
+      call(tangent_or_input(tokens), tangent_or_input(scales), tangent_or_input(weight));
+  set_tangent(std::get<kTokens>(outputs), tokens, std::get<kTokens>(tangents));
+  set_tangent(std::get<kScales>(outputs), scales, std::get<kScales>(tangents));
+  set_tangent(std::get<kWeight>(outputs), weight, std::get<kWeight>(tangents));
+  return outputs;
+}
+
 // The autograd kernels: with no gradient to track they call the kernel below
 // the autograd layer at once, so an eager no-grad call costs no more than the kernel.
 Forward reroute_autograd(const Tensor& tokens, const Tensor& counts, const OptionalTensor& scales,
                          const OptionalTensor& weight, std::int64_t expert_token_num_type,
                          std::int64_t idx_type, OptionalName tokens_dtype,
                          std::int64_t expert_alignment, bool allow_spare_rows) {
+  if (has_tangent(tokens) || has_tangent(scales) || has_tangent(weight)) {
+    return with_tangents<0, 1, 4>(
+        tokens, scales, weight,
+        [&](const Tensor& t, const OptionalTensor& s, const OptionalTensor& w) {
+          return forward_op().call(t, counts, s, w, expert_token_num_type, idx_type,
+                                   tokens_dtype, expert_alignment, allow_spare_rows);
+        });
+  }
   if (!requires_grad(tokens, scales, weight)) {
     const at::AutoDispatchBelowADInplaceOrView guard;
     return forward_op().call(tokens, counts, scales, weight, expert_token_num_type, idx_type,
@@ -525,6 +576,14 @@ Forward reroute_autograd(const Tensor& tokens, const Tensor& counts, const Optio
 Inverse inverse_autograd(const Tensor& tokens, const Tensor& counts, const OptionalTensor& scales,
                          const OptionalTensor& weight, OptionalName tokens_dtype,
                          std::int64_t expert_alignment, bool allow_spare_rows) {
+  if (has_tangent(tokens) || has_tangent(scales) || has_tangent(weight)) {
+    return with_tangents<0, 1, 2>(
+        tokens, scales, weight,
+        [&](const Tensor& t, const OptionalTensor& s, const OptionalTensor& w) {
+          return inverse_op().call(t, counts, s, w, tokens_dtype, expert_alignment,
+                                   allow_spare_rows);
+        });
+  }
   if (!requires_grad(tokens, scales, weight)) {
     const at::AutoDispatchBelowADInplaceOrView guard;
     return inverse_op().call(tokens, counts, scales, weight, tokens_dtype, expert_alignment,

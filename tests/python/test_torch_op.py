@@ -13,6 +13,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moe_reroute
@@ -421,6 +422,54 @@ def test_inverse_backward_is_the_reference_forward_of_the_gradients():
     expected = reference.reroute(rows(grads[0]), counts.numpy(), rows(grads[1]), rows(grads[2]))
     for tensor, want in zip((tokens, scales, weight), (expected[0], expected[1], expected[4])):
         np.testing.assert_array_equal(rows(tensor.grad), want)
+
+
+@pytest.mark.parametrize("with_grad", [False, True], ids=["forward AD", "and backward"])
+def test_forward_ad_tangents_are_the_reference_forward_of_the_tangents(with_grad):
+    """Dual tensors: each data output's tangent is the reference forward of the
+    inputs' tangents; an input without one (scales here) leaves its output
+    without one. With inputs that require grad, backward mode records too."""
+    tokens, counts, scales, weight = workload(50, seed=11, tokens_dtype=torch.float32,
+                                              requires_grad=with_grad)
+    tangents = [torch.randn(t.shape) for t in (tokens, weight)]
+    with fwAD.dual_level():
+        outputs = moe_reroute.moe_re_routing(
+            fwAD.make_dual(tokens, tangents[0]), counts, per_token_scales=scales,
+            expert_topk_weight=fwAD.make_dual(weight, tangents[1]))
+        primals, outputs_tangents = zip(*(fwAD.unpack_dual(o) for o in outputs))
+    expected = reference.reroute(rows(tangents[0]), counts.numpy(), None, rows(tangents[1]))
+    np.testing.assert_array_equal(rows(outputs_tangents[0]), expected[0])
+    np.testing.assert_array_equal(rows(outputs_tangents[4]), expected[4])
+    assert outputs_tangents[1:4] == (None, None, None)
+    check_forward(primals, tokens, counts, scales, weight)
+    assert (primals[0].grad_fn is not None) == with_grad
+
+
+def test_inverse_jvp_is_the_reference_inverse_of_the_tangents():
+    tokens, counts, scales, weight = workload(40, seed=12, tokens_dtype=torch.bfloat16)
+    tangents = tuple(torch.randn(t.shape).to(t.dtype) for t in (tokens, scales, weight))
+    _, outputs_tangents = torch.func.jvp(
+        lambda t, s, w: moe_reroute.moe_re_routing_inverse(t, counts, per_token_scales=s,
+                                                           expert_topk_weight=w),
+        (tokens, scales, weight), tangents)
+    expected = reference.inverse(rows(tangents[0]), counts.numpy(),
+                                 rows(tangents[1]), rows(tangents[2]))
+    for got, want in zip(outputs_tangents, expected):
+        np.testing.assert_array_equal(rows(got), want)
+
+
+def test_functorch_backward_transforms_refuse_and_vmap_loops():
+    """As docs/torch.md says: torch.func's backward transforms refuse the C++
+    autograd Function with torch's message; vmap runs each batch entry."""
+    tokens, counts, _, _ = workload(30, seed=13, tokens_dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="cannot use C.. torch::autograd::Function with "
+                                           "functorch transforms"):
+        torch.func.grad(lambda t: OPS.moe_re_routing(t, counts)[0].sum())(tokens)
+    batch = torch.stack([tokens, -tokens])
+    batched = torch.vmap(lambda t: OPS.moe_re_routing(t, counts)[0])(batch)
+    for entry, got in zip(batch, batched):
+        np.testing.assert_array_equal(rows(got), reference.reroute(rows(entry),
+                                                                   counts.numpy())[0])
 
 
 def python_functions_called(call) -> list[str]:
