@@ -38,17 +38,28 @@ def describe(array, name: str):
     return (name, *storage(check_array(array, name).dtype, name), array.shape, array)
 
 
+def native(array):
+    """`array` in C order and the machine's byte order, copied where it is not:
+    the core reads counts as numbers, and allocates outputs in native order."""
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    return np.ascontiguousarray(array)
+
+
 def inputs(arrays) -> list:
-    """The described inputs, copied to C order where they are not."""
-    return [None if a is None else describe(np.ascontiguousarray(check_array(a, name)), name)
+    """The described inputs, copied to C order and native byte order where
+    they are not."""
+    return [None if a is None else describe(native(check_array(a, name)), name)
             for a, name in zip(arrays, _bridge.INPUT_NAMES)]
 
 
 def outputs(arrays, names) -> list:
-    """The described outputs, each writable."""
+    """The described outputs, each writable and in native byte order."""
     described = []
     for array, name in zip(arrays, names):
-        if not check_array(array, name).flags.writeable:
+        if not check_array(array, name).dtype.isnative:
+            raise TypeError(f"{name}: dtype {array.dtype.str} is not in native byte order")
+        if not array.flags.writeable:
             raise ValueError(f"{name}: is read-only")
         described.append(describe(array, name))
     return described

@@ -4,6 +4,8 @@ A = 0, through NumPy, moe_reroute's torch entry and torch.ops directly."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -154,6 +156,34 @@ def test_noncontiguous_inputs_are_made_contiguous(framework):
                                         per_token_scales=scales)
     check_forward(framework, result, tokens, counts, scales, None,
                   dict(expert_token_num_type=1, idx_type=0))
+
+
+@pytest.mark.parametrize("count_dtype", [np.int32, np.int64])
+def test_numpy_inputs_in_the_other_byte_order_are_read_by_value(count_dtype):
+    """Inputs in non-native byte order (np.load of another machine's file) are
+    converted, as non-contiguous ones are: native outputs of the same values.
+    out= arrays must be native (the core writes native numbers)."""
+    rng = np.random.default_rng(4)
+    counts = reference.random_counts(rng, 40, count_dtype)
+    tokens = random_array("numpy", rng, np.float16, (40, 6), 2)
+    scales = random_array("numpy", rng, np.float32, (40,), 4)
+    weight = random_array("numpy", rng, np.float32, (40, 1), 4)
+    swapped = [a.astype(a.dtype.newbyteorder()) for a in (tokens, counts, scales, weight)]
+    result = moe_reroute.moe_re_routing(swapped[0], swapped[1], per_token_scales=swapped[2],
+                                        expert_topk_weight=swapped[3])
+    check_forward("numpy", result, tokens, counts, scales, weight,
+                  dict(expert_token_num_type=1, idx_type=0))
+    restored = moe_reroute.moe_re_routing_inverse(
+        result[0].astype(result[0].dtype.newbyteorder()), swapped[1],
+        per_token_scales=swapped[2], expert_topk_weight=swapped[3])
+    np.testing.assert_array_equal(byte_rows(restored[0]), byte_rows(tokens))
+
+    out = list(result)
+    out[2] = out[2].astype(out[2].dtype.newbyteorder())
+    message = f"permute_token_idx: dtype {out[2].dtype.str} is not in native byte order"
+    with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+        moe_reroute.moe_re_routing(tokens, counts, per_token_scales=scales,
+                                   expert_topk_weight=weight, out=out)
 
 
 def test_spec_worked_example():
