@@ -41,6 +41,15 @@ def inverse_attributes(expert_alignment, allow_spare_rows) -> dict:
                 allow_spare_rows=checked("allow_spare_rows", allow_spare_rows, bool))
 
 
+def forward_out(out) -> tuple:
+    """`out` as a tuple; ValueError unless it holds the forward's five outputs."""
+    out = tuple(out)
+    if len(out) != len(_core.FORWARD_OUTPUT_NAMES):
+        raise ValueError(f"out: expected {len(_core.FORWARD_OUTPUT_NAMES)} outputs, "
+                         f"got {len(out)}")
+    return out
+
+
 def tokens_name(tokens_dtype):
     """tokens_dtype, if None or a str; else TypeError naming it."""
     return None if tokens_dtype is None else checked("tokens_dtype", tokens_dtype, str)

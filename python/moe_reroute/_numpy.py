@@ -11,9 +11,13 @@ from . import _bridge, _core
 
 
 def check_array(array, name: str):
+    """`array`, if a NumPy array; tokens decide the framework of a call."""
+    if array is None:
+        raise TypeError(f"{name}: must be given, got None")
     if not isinstance(array, np.ndarray):
-        raise TypeError(f"{name}: expected a numpy.ndarray or torch.Tensor, "
-                        f"got {type(array).__name__}")
+        expected = ("a numpy.ndarray or torch.Tensor" if name == "tokens"
+                    else "a numpy.ndarray, as tokens is one")
+        raise TypeError(f"{name}: expected {expected}, got {type(array).__name__}")
     return array
 
 
@@ -47,10 +51,10 @@ def native(array):
 
 
 def inputs(arrays) -> list:
-    """The described inputs, copied to C order and native byte order where
-    they are not."""
-    return [None if a is None else describe(native(check_array(a, name)), name)
-            for a, name in zip(arrays, _bridge.INPUT_NAMES)]
+    """The described inputs (the last two optional), copied to C order and
+    native byte order where they are not."""
+    return [None if a is None and i >= 2 else describe(native(check_array(a, name)), name)
+            for i, (a, name) in enumerate(zip(arrays, _bridge.INPUT_NAMES))]
 
 
 def outputs(arrays, names) -> list:

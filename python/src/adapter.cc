@@ -39,6 +39,10 @@ std::vector<std::int64_t> logical_dims(std::span<const std::int64_t> dims, int s
 
 void fail(ErrorCode code, const std::string& message) { throw Error(code, message); }
 
+void fail_none(std::string_view arg) {
+  fail(ErrorCode::kUnsupported, std::string(arg) + ": must be given, got None");
+}
+
 void fail_not_contiguous(std::string_view arg) {
   fail(ErrorCode::kInvalidArgument,
        std::string(arg) + ": must be contiguous (dense row-major); got strides that are not");

@@ -20,6 +20,10 @@ namespace moe_reroute::adapter {
 /// Throws Error(code, message): the one way the adapters refuse an argument.
 [[noreturn]] void fail(ErrorCode code, const std::string& message);
 
+/// Refuses `arg`, which is None where an array or tensor is required (torch
+/// passes None as an undefined tensor).
+[[noreturn]] void fail_none(std::string_view arg);
+
 /// Refuses `arg`, which is not dense row-major (an output given to be written).
 [[noreturn]] void fail_not_contiguous(std::string_view arg);
 

@@ -102,9 +102,11 @@ struct Inputs {
 
   Inputs(const nb::sequence& inputs, const std::optional<std::string>& tokens_name) {
     for (nb::handle item : inputs) args.push_back(arg_of(item, /*writable=*/false));
-    if (args.size() != 4 || !args[0] || !args[1]) {
+    if (args.size() != 4) {
       fail(ErrorCode::kInvalidArgument, "inputs: expected (tokens, counts, scales, weight)");
     }
+    if (!args[0]) adapter::fail_none("tokens");
+    if (!args[1]) adapter::fail_none("expert_token_num_per_rank");
     tokens_dtype = tokens_name;
     if (args[2]) scales_dtype = adapter::scales_dtype({args[2]->storage, args[2]->bits});
   }
@@ -192,16 +194,18 @@ struct OutputArrays {
     }
   }
 
-  // The outputs the caller gave (described, `count` of them).
-  OutputArrays(const nb::sequence& outputs, std::size_t count) {
+  // The outputs the caller gave (described), named `names`.
+  template <std::size_t N>
+  explicit OutputArrays(const nb::sequence& outputs, const std::array<const char*, N>& names) {
     for (nb::handle item : outputs) {
       std::optional<Arg> arg = arg_of(item, /*writable=*/true);
-      if (!arg) fail(ErrorCode::kInvalidArgument, "out: an output is None");
+      if (!arg) adapter::fail_none(args.size() < N ? names[args.size()] : "out");
       args.push_back(std::move(*arg));
       arrays.append(nb::cast<nb::tuple>(item)[4]);
     }
-    if (args.size() != count) {
-      fail(ErrorCode::kInvalidArgument, "out: expected " + std::to_string(count) + " outputs");
+    if (args.size() != N) {
+      fail(ErrorCode::kInvalidArgument, "out: expected " + std::to_string(N) + " outputs, got " +
+                                            std::to_string(args.size()));
     }
   }
 
@@ -231,7 +235,7 @@ struct OutputArrays {
 // The outputs of a forward call: the caller's, or fresh by the inferred specs.
 OutputArrays forward_outputs(const std::optional<nb::sequence>& outputs, const Inputs& call,
                              const RerouteInputs& views, const Attributes& attributes) {
-  if (outputs) return OutputArrays(*outputs, adapter::kForwardOutputNames.size());
+  if (outputs) return OutputArrays(*outputs, adapter::kForwardOutputNames);
   return OutputArrays(adapter::output_specs(infer_reroute(views, attributes)),
                       adapter::kForwardStoredLike, adapter::kForwardOutputNames, call);
 }
@@ -256,7 +260,7 @@ void check_forward_out(const nb::sequence& inputs, const nb::sequence& outputs,
                        std::int64_t expert_alignment, bool allow_spare_rows) {
   const Inputs call(inputs, tokens_dtype);
   const RerouteInputs views = call.views<RerouteInputs>();
-  const OutputArrays out(outputs, adapter::kForwardOutputNames.size());
+  const OutputArrays out(outputs, adapter::kForwardOutputNames);
   const RerouteOutputs out_views = forward_views(call, out.args);
   check_output_specs(infer_reroute(views, attributes_of(expert_token_num_type, idx_type,
                                                         expert_alignment, allow_spare_rows)),

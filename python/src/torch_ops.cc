@@ -118,9 +118,15 @@ void check_device(const Tensor& tensor, const char* arg, const c10::Device& devi
   if (tensor.device() != device) adapter::fail_device(arg, device.str());
 }
 
+// `tensor`, refused where it is undefined (a None from Python).
+const Tensor& given(const Tensor& tensor, const char* arg) {
+  if (!tensor.defined()) adapter::fail_none(arg);
+  return tensor;
+}
+
 // The device of a call: tokens', where the build has its backend.
 c10::Device call_device(const Tensor& tokens) {
-  if (tokens.is_cpu() || (tokens.is_cuda() && MOE_REROUTE_HAS_CUDA)) return tokens.device();
+  if (given(tokens, "tokens").is_cpu() || (tokens.is_cuda() && MOE_REROUTE_HAS_CUDA)) return tokens.device();
   fail(ErrorCode::kInvalidArgument,
        std::string("tokens: must be in CPU memory") +
            (MOE_REROUTE_HAS_CUDA ? " or on a CUDA device"
@@ -130,7 +136,7 @@ c10::Device call_device(const Tensor& tokens) {
 // The core view of `tensor` (argument `arg`) on `device`, read as `logical` when named.
 TensorView view(const Tensor& tensor, const char* arg, const std::optional<std::string>& logical,
                 const char* logical_arg, const c10::Device& device) {
-  check_device(tensor, arg, device);
+  check_device(given(tensor, arg), arg, device);
   if (!tensor.is_contiguous()) adapter::fail_not_contiguous(arg);
   const c10::IntArrayRef sizes = tensor.sizes();
   return adapter::core_view(tensor.data_ptr(), storage(tensor), {sizes.data(), sizes.size()}, arg,
@@ -179,7 +185,7 @@ struct Call {
        const OptionalTensor& weight_in, const OptionalName& tokens_name)
       : device(call_device(tokens_in)),
         tokens(tokens_in.contiguous()),
-        counts(counts_in.contiguous()),
+        counts(given(counts_in, "expert_token_num_per_rank").contiguous()),
         tokens_dtype(name_of(tokens_name)) {
     if (scales_in) {
       scales = scales_in->contiguous();

@@ -160,8 +160,41 @@ def test_read_only_numpy_out_is_refused():
 
 
 def test_non_array_input_is_refused():
-    with pytest.raises(TypeError, match="expert_token_num_per_rank: expected a numpy.ndarray"):
+    with pytest.raises(TypeError, match="^expert_token_num_per_rank: expected a numpy.ndarray, "
+                                        "as tokens is one, got list$"):
         moe_reroute.moe_re_routing(np.ones((A, 4), np.float16), [[6]])
+    with pytest.raises(TypeError, match="^per_token_scales: expected a numpy.ndarray, as tokens "
+                                        "is one, got Tensor$"):
+        moe_reroute.moe_re_routing(np.ones((A, 4), np.float16), COUNTS,
+                                   per_token_scales=torch.ones(A))
+    with pytest.raises(TypeError, match="^tokens: expected a numpy.ndarray or torch.Tensor, "
+                                        "got list$"):
+        moe_reroute.moe_re_routing([[1.0]], COUNTS)
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+@pytest.mark.parametrize("name", ["tokens", "expert_token_num_per_rank"])
+def test_none_input_is_named(framework, name):
+    arguments = good()
+    if framework == "torch":
+        arguments = as_torch(arguments)
+    arguments[name] = None
+    with pytest.raises(TypeError, match=f"^{name}: must be given, got None$"):
+        moe_reroute.moe_re_routing(arguments.pop("tokens"),
+                                   arguments.pop("expert_token_num_per_rank"), **arguments)
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+@pytest.mark.parametrize("count", [4, 6])
+def test_out_of_another_length_is_refused(framework, count):
+    arguments = good()
+    if framework == "torch":
+        arguments = as_torch(arguments)
+    tokens, counts = arguments.pop("tokens"), arguments.pop("expert_token_num_per_rank")
+    outputs = moe_reroute.moe_re_routing(tokens, counts, **arguments)
+    out = (list(outputs) * 2)[:count]
+    with pytest.raises(ValueError, match=f"^out: expected 5 outputs, got {count}$"):
+        moe_reroute.moe_re_routing(tokens, counts, **arguments, out=out)
 
 
 def test_unpacked_fp4_numpy_is_refused():

@@ -236,6 +236,22 @@ def test_fake_and_compile_refuse_bad_out_tensors_as_eager(label, name, replace, 
     assert f"ValueError({str(eager)!r})" in str(caught.value)
 
 
+@pytest.mark.parametrize(("op", "name"), [
+    ("moe_re_routing", "tokens"), ("moe_re_routing", "expert_token_num_per_rank"),
+    ("moe_re_routing_inverse", "tokens"), ("moe_re_routing_inverse", "expert_token_num_per_rank"),
+    ("moe_re_routing_out", "tokens"), ("moe_re_routing_out", "permute_tokens"),
+    ("moe_re_routing_out", "permute_token_idx")])
+def test_none_for_a_required_tensor_is_named_in_eager_and_fake(op, name):
+    """torch passes None for a Tensor argument as an undefined tensor."""
+    arguments = out_arguments()
+    if op != "moe_re_routing_out":
+        arguments = {k: arguments[k] for k in INVERSE_ARGUMENTS[:4]}
+    arguments[name] = None
+    eager, faked = refusals(getattr(OPS, op), arguments)
+    assert (type(eager), str(eager)) == (TypeError, f"{name}: must be given, got None")
+    assert (type(faked), str(faked)) == (type(eager), str(eager))
+
+
 @pytest.mark.parametrize("op", ["moe_re_routing", "moe_re_routing_inverse"])
 @pytest.mark.parametrize("name", ["expert_token_num_per_rank", "per_token_scales",
                                   "expert_topk_weight"])
