@@ -126,7 +126,9 @@ const Tensor& given(const Tensor& tensor, const char* arg) {
 
 // The device of a call: tokens', where the build has its backend.
 c10::Device call_device(const Tensor& tokens) {
-  if (given(tokens, "tokens").is_cpu() || (tokens.is_cuda() && MOE_REROUTE_HAS_CUDA)) return tokens.device();
+  if (given(tokens, "tokens").is_cpu() || (tokens.is_cuda() && MOE_REROUTE_HAS_CUDA)) {
+    return tokens.device();
+  }
   fail(ErrorCode::kInvalidArgument,
        std::string("tokens: must be in CPU memory") +
            (MOE_REROUTE_HAS_CUDA ? " or on a CUDA device"
