@@ -21,6 +21,14 @@ using moe_reroute::tools::WorkloadOptions;
 
 constexpr int kBadInput = 2;
 
+// --threads: CLI::NonNegativeNumber's message spelled out the largest double.
+const CLI::Validator kThreadCount(
+    [](const std::string& value) -> std::string {
+      if (!value.starts_with('-')) return "";
+      return "must be >= 0 (0 = all hardware threads), got " + value;
+    },
+    "");
+
 void add_run_options(CLI::App& command, RunOptions& o, bool forward) {
   command.add_option("--tokens", o.tokens, "tokens .npy, [A, H]")->required();
   command.add_option("--counts", o.counts, "expert_token_num_per_rank .npy, [N, E] int32/int64")
@@ -40,7 +48,7 @@ void add_run_options(CLI::App& command, RunOptions& o, bool forward) {
   command.add_flag("--allow-spare-rows", o.allow_spare_rows,
                    "the counts may sum to less than A (fixed-capacity buffers)");
   command.add_option("--threads", o.threads, "threads, 0 = all hardware threads")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kThreadCount);
   command.add_option("--out", o.out, "output directory (created if missing)")->required();
 }
 
@@ -93,7 +101,7 @@ int main(int argc, char** argv) {
   CLI::App* bench = app.add_subcommand("bench", "verify, then time against a plain copy");
   add_workload_options(*bench, bench_options.workload);
   bench->add_option("--threads", bench_options.threads, "threads, 0 = all hardware threads")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kThreadCount);
   bench->add_option("--repeat", bench_options.repeat, "timed rounds")->capture_default_str();
   bench->add_flag("--json", bench_options.json, "print a JSON object as the last line");
   bench->callback(

@@ -546,7 +546,7 @@ TEST_F(BadInput, CommandLineErrors) {
   expect_refused({"--bogus"}, "--bogus");
   expect_refused({}, "--out", {{"--out", ""}});
   expect_refused({}, "--counts", {{"--counts", ""}});
-  expect_refused({"--threads", "-1"}, "--threads");
+  expect_refused({"--threads", "-1"}, "--threads: must be >= 0 (0 = all hardware threads), got -1");
   expect_refused({"--idx-type", "gather"}, "--idx-type");
   expect_refused({}, "out: cannot create", {{"--out", raw("plain-file", "x")}});
   const Result no_command = run_cli({});
