@@ -611,20 +611,29 @@ c10::TypedOperatorHandle<decltype(reroute_out)> out_op() {
 }
 
 // The out= op's autograd kernel, boxed: it reads each argument by its schema
-// name. out= has no derivative, so, as torch's own out= functions do, it
-// refuses an argument that requires grad while grad mode is on (an output that
-// requires grad would also be written behind autograd's back); then on to the
-// version bump below.
+// name, and refuses before anything is written
+// - an argument that requires grad while grad mode is on: out= has no
+//   derivative, as torch's own out= functions have none (an output that
+//   requires grad would also be written behind autograd's back);
+// - an output that is an inference tensor: this kernel runs outside
+//   inference mode, where torch refuses in-place writes to one (torch's own
+//   out= functions refuse it after writing);
+// then goes on to the version bump below.
 void reroute_out_autograd(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  if (at::GradMode::is_enabled()) {
-    const std::vector<c10::Argument>& arguments = op.schema().arguments();
-    const auto values = torch::jit::last(*stack, arguments.size());
-    for (std::size_t i = 0; i < arguments.size(); ++i) {
-      TORCH_CHECK(!values[i].isTensor() || !values[i].toTensor().requires_grad(),
-                  arguments[i].name(),
-                  ": requires grad, but moe_re_routing_out (out=) has no autograd; call "
-                  "moe_re_routing for gradients, or this under torch.no_grad()");
-    }
+  const bool grad_mode = at::GradMode::is_enabled();
+  const std::vector<c10::Argument>& arguments = op.schema().arguments();
+  const auto values = torch::jit::last(*stack, arguments.size());
+  for (std::size_t i = 0; i < arguments.size(); ++i) {
+    if (!values[i].isTensor()) continue;
+    const Tensor& tensor = values[i].toTensor();
+    TORCH_CHECK(!grad_mode || !tensor.requires_grad(), arguments[i].name(),
+                ": requires grad, but moe_re_routing_out (out=) has no autograd; call "
+                "moe_re_routing for gradients, or this under torch.no_grad()");
+    const c10::AliasInfo* alias = arguments[i].alias_info();
+    TORCH_CHECK(alias == nullptr || !alias->isWrite() || !tensor.is_inference(),
+                arguments[i].name(),
+                ": is an inference tensor, which out= writes only under "
+                "torch.inference_mode(); pass a clone");
   }
   const at::AutoDispatchBelowAutograd guard;
   op.callBoxed(stack);

@@ -387,6 +387,24 @@ def test_out_refuses_an_argument_that_requires_grad_as_torch_out_functions_do(na
     check_forward([arguments[output] for output in names], *inputs)
 
 
+def test_out_refuses_inference_outputs_outside_inference_mode_before_writing():
+    """torch refuses in-place writes to inference tensors outside inference
+    mode (its own out= functions after writing); this op names the output and
+    writes nothing, and writes it under inference_mode."""
+    arguments = out_arguments()
+    inputs = [arguments[k] for k in INVERSE_ARGUMENTS[:4]]
+    with torch.inference_mode():
+        outputs = [t.clone() for t in poisoned_outputs("torch", *inputs)]
+    arguments |= zip(list(arguments)[4:], outputs)
+    with pytest.raises(RuntimeError, match="^permute_tokens: is an inference tensor, which out= "
+                                           r"writes only under torch.inference_mode\(\)"):
+        OPS.moe_re_routing_out(**arguments)
+    assert all((byte_rows(t) == reference.POISON).all() for t in outputs)
+    with torch.inference_mode():
+        OPS.moe_re_routing_out(**arguments)
+    check_forward(outputs, *inputs)
+
+
 def test_out_is_declared_mutated_in_the_schema():
     schema = OPS.moe_re_routing_out.default._schema
     mutated = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
