@@ -276,6 +276,11 @@ struct PlanBuilder {
   static void make(Plan& plan, Direction direction, const Inputs& inputs,
                    const Attributes& attributes, std::int64_t num_tokens,
                    std::vector<TensorSpec> output_specs, int num_threads) {
+    if (num_threads < 0) {
+      fail(ErrorCode::kInvalidArgument,
+           "num_threads: must be >= 0 (0 = all hardware threads), got " +
+               std::to_string(num_threads));
+    }
     plan.direction_ = direction;
     plan.attributes_ = attributes;
     plan.num_tokens_ = num_tokens;

@@ -225,6 +225,12 @@ TEST_P(WorkSplit, NeverMoreThreadsThanRows) {
   EXPECT_EQ(rows_per_thread(two_rows), (std::vector<std::int64_t>{1, 1}));
 }
 
+TEST_P(WorkSplit, NegativeThreadsAreRefused) {
+  EXPECT_EQ(refusal_difference([&] { plan(kWorkedExample, 4, -1); }, ErrorCode::kInvalidArgument,
+                               {"num_threads: must be >= 0 (0 = all hardware threads), got -1"}),
+            "");
+}
+
 TEST_P(WorkSplit, ZeroThreadsMeansEveryHardwareThread) {
   const CountsOnly counts(2, 2, {4096, 0, 4096, 8192});
   EXPECT_EQ(plan(counts, 1 << 14, 0).num_threads(), hardware_threads());
