@@ -17,7 +17,7 @@ namespace moe_reroute {
 inline constexpr int kMaxDims = 4;
 
 struct MOE_REROUTE_API Shape {
-  int ndim = 0;
+  int ndim = 0;  // 0..kMaxDims; validation refuses a view set outside, naming it "[ndim <n>]"
   std::array<std::int64_t, kMaxDims> dims{};
 
   Shape() = default;

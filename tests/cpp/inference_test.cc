@@ -18,6 +18,12 @@ namespace {
 
 TensorView meta(DType dtype, Shape shape) { return TensorView(nullptr, dtype, shape); }
 
+// A view whose public ndim field a caller set out of 0..kMaxDims.
+TensorView with_ndim(TensorView view, int ndim) {
+  view.spec.shape.ndim = ndim;
+  return view;
+}
+
 struct InferenceRow {
   std::string name;
   RerouteInputs inputs;
@@ -55,6 +61,16 @@ std::vector<InferenceRow> section5_rows() {
        std::nullopt, ErrorCode::kUnsupported, {"expert_topk_weight", "dtype int32"}},
       {"weight_dim1_2_refused", {tokens, counts, std::nullopt, meta(DType::kFloat32, {256, 2})},
        std::nullopt, ErrorCode::kInvalidArgument, {"expert_topk_weight", "dim 1", "got 2"}},
+      // Never read past Shape::dims, even to name the shape.
+      {"tokens_ndim_9_refused", {with_ndim(tokens, 9), counts}, std::nullopt,
+       ErrorCode::kInvalidArgument, {"tokens", "2-D", "float16[ndim 9]"}},
+      {"counts_ndim_minus_1_refused", {tokens, with_ndim(counts, -1)}, std::nullopt,
+       ErrorCode::kInvalidArgument, {"expert_token_num_per_rank", "2-D", "[ndim -1]"}},
+      {"scales_ndim_5_refused", {tokens, counts, with_ndim(meta(DType::kFloat32, {256}), 5)},
+       std::nullopt, ErrorCode::kInvalidArgument, {"per_token_scales", "float32[ndim 5]"}},
+      {"weight_ndim_64_refused",
+       {tokens, counts, std::nullopt, with_ndim(meta(DType::kFloat32, {256, 1}), 64)},
+       std::nullopt, ErrorCode::kInvalidArgument, {"expert_topk_weight", "float32[ndim 64]"}},
   };
 }
 

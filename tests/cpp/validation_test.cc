@@ -248,6 +248,11 @@ std::vector<Refusal> forward_refusals() {
       // Rule 10: output specs.
       {"permute_tokens_wrong_shape", keep_config, output(&O::permute_tokens, bf16, {64, 15}),
        invalid, {"permute_tokens", "must be bfloat16[64, 16]", "got bfloat16[64, 15]"}},
+      {"permute_tokens_ndim_9", keep_config,
+       [](Workload& w) {
+         forward(w, [](ForwardCall& c) { c.outputs.permute_tokens.spec.shape.ndim = 9; });
+       },
+       invalid, {"permute_tokens", "must be bfloat16[64, 16]", "got bfloat16[ndim 9]"}},
       {"permute_tokens_wrong_dtype", keep_config,
        output(&O::permute_tokens, DType::kFloat16, {64, 16}), invalid,
        {"permute_tokens", "got float16[64, 16]"}},
