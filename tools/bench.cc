@@ -271,7 +271,7 @@ std::string cpu_model() {
 int bench_command(const BenchOptions& o) {
   const testing::WorkloadConfig config = workload_config(o.workload);
   const int threads = o.threads > 0 ? o.threads : hardware_threads();
-  const int repeat = std::max(1, o.repeat);
+  const int repeat = o.repeat;
   const double start_load = load_average();
   progress("allocating and filling inputs and outputs");
   auto main_case = std::make_unique<Case>(config, threads);

@@ -102,7 +102,9 @@ int main(int argc, char** argv) {
   add_workload_options(*bench, bench_options.workload);
   bench->add_option("--threads", bench_options.threads, "threads, 0 = all hardware threads")
       ->check(kThreadCount);
-  bench->add_option("--repeat", bench_options.repeat, "timed rounds")->capture_default_str();
+  bench->add_option("--repeat", bench_options.repeat, "timed rounds")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 20));
   bench->add_flag("--json", bench_options.json, "print a JSON object as the last line");
   bench->callback(
       [&] { command = [&] { return moe_reroute::tools::bench_command(bench_options); }; });

@@ -546,6 +546,9 @@ TEST_F(BadInput, CommandLineErrors) {
   expect_refused({"--bogus"}, "--bogus");
   expect_refused({}, "--out", {{"--out", ""}});
   expect_refused({}, "--counts", {{"--counts", ""}});
+  const Result no_rounds = run_cli({"bench", "--repeat", "0"});
+  EXPECT_EQ(no_rounds.status, 2);
+  EXPECT_THAT(no_rounds.err, HasSubstr("--repeat: Value 0 not in range 1 to 1048576"));
   expect_refused({"--threads", "-1"}, "--threads: must be >= 0 (0 = all hardware threads), got -1");
   expect_refused({"--idx-type", "gather"}, "--idx-type");
   expect_refused({}, "out: cannot create", {{"--out", raw("plain-file", "x")}});
