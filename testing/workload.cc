@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <optional>
 #include <random>
 
 namespace moe_reroute::testing {
@@ -146,11 +147,7 @@ Workload::Workload(const WorkloadConfig& config) : config_(config) {
   tokens.resize(size(dtype_bytes(config.token_dtype, a * config.hidden)));
   fill_random(tokens.data(), tokens.size(), config.seed + 1);
   if (config.has_scales) {
-    scale_spec_.dtype = config.scale_dtype;
-    scale_spec_.shape.dims[0] = a;
-    scale_spec_.shape.ndim = 1;
-    for (std::int64_t dim : config.scale_tail) scale_spec_.shape.dims[size(scale_spec_.shape.ndim++)] = dim;
-    scales.resize(size(scale_spec_.nbytes()));
+    scales.resize(size(meta_inputs(config).per_token_scales->nbytes()));
     fill_random(scales.data(), scales.size(), config.seed + 2);
   }
   if (config.has_weight) {
@@ -166,14 +163,28 @@ Workload::Workload(const WorkloadConfig& config) : config_(config) {
   poison_outputs();
 }
 
-RerouteInputs Workload::inputs() const {
-  const WorkloadConfig& c = config_;
+RerouteInputs meta_inputs(const WorkloadConfig& c) {
   RerouteInputs in;
-  in.tokens = TensorView(tokens.data(), c.token_dtype, {c.num_tokens, c.hidden});
-  in.expert_token_num_per_rank =
-      TensorView(counts_storage.data(), c.count_dtype, {c.num_ranks, c.num_experts});
-  if (c.has_scales) in.per_token_scales = TensorView(scales.data(), scale_spec_.dtype, scale_spec_.shape);
-  if (c.has_weight) in.expert_topk_weight = TensorView(weight.data(), DType::kFloat32, {c.num_tokens, 1});
+  in.tokens = TensorView(nullptr, c.token_dtype, {c.num_tokens, c.hidden});
+  in.expert_token_num_per_rank = TensorView(nullptr, c.count_dtype, {c.num_ranks, c.num_experts});
+  if (c.has_scales) {
+    std::vector<std::int64_t> dims = {c.num_tokens};
+    dims.insert(dims.end(), c.scale_tail.begin(), c.scale_tail.end());
+    in.per_token_scales = TensorView(nullptr, c.scale_dtype, Shape(dims));
+  }
+  if (c.has_weight) in.expert_topk_weight = TensorView(nullptr, DType::kFloat32, {c.num_tokens, 1});
+  return in;
+}
+
+RerouteInputs Workload::inputs() const {
+  const auto on = [](const TensorView& view, const std::vector<std::byte>& bytes) {
+    return TensorView(bytes.data(), view.dtype(), view.shape());
+  };
+  RerouteInputs in = meta_inputs(config_);
+  in.tokens = on(in.tokens, tokens);
+  in.expert_token_num_per_rank = on(in.expert_token_num_per_rank, counts_storage);
+  if (in.per_token_scales) in.per_token_scales = on(*in.per_token_scales, scales);
+  if (in.expert_topk_weight) in.expert_topk_weight = on(*in.expert_topk_weight, weight);
   return in;
 }
 
@@ -184,7 +195,7 @@ std::int64_t Workload::num_output_rows() const {
 
 std::int64_t Workload::scale_row_bytes() const {
   if (!config_.has_scales) return 4;  // the forward's zero float32 per row
-  TensorSpec one_row = scale_spec_;
+  TensorSpec one_row = meta_inputs(config_).per_token_scales->spec;
   one_row.shape.dims[0] = 1;
   return one_row.nbytes();
 }
@@ -194,10 +205,11 @@ RerouteOutputs Workload::outputs() {
   const std::int64_t rows = num_output_rows();
   RerouteOutputs out;
   out.permute_tokens = TensorView(permute_tokens.data(), c.token_dtype, {rows, c.hidden});
-  Shape scale_shape = c.has_scales ? scale_spec_.shape : Shape{rows};
+  const std::optional<TensorView> scales_in = meta_inputs(c).per_token_scales;
+  Shape scale_shape = scales_in ? scales_in->shape() : Shape{rows};
   scale_shape.dims[0] = rows;
   out.permute_per_token_scales = TensorView(
-      permute_scales.data(), c.has_scales ? scale_spec_.dtype : DType::kFloat32, scale_shape);
+      permute_scales.data(), scales_in ? scales_in->dtype() : DType::kFloat32, scale_shape);
   out.permute_token_idx = TensorView(token_idx.data(), DType::kInt32,
                                      {c.attributes.idx_type == kIdxGather ? rows : c.num_tokens});
   out.expert_token_num = TensorView(expert_token_num.data(), c.count_dtype, {c.num_experts});

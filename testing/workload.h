@@ -74,6 +74,10 @@ struct WorkloadConfig {
   std::int64_t num_valid_tokens = -1;
 };
 
+/// The forward inputs `config` describes, with null data: for inference and
+/// validation before anything is allocated.
+RerouteInputs meta_inputs(const WorkloadConfig& config);
+
 /// Owns the inputs and outputs of one forward call, filled with random bytes
 /// (outputs poisoned with 0xA5).
 class Workload {
@@ -102,7 +106,6 @@ class Workload {
   std::int64_t scale_row_bytes() const;
 
   WorkloadConfig config_;
-  TensorSpec scale_spec_;
 };
 
 }  // namespace moe_reroute::testing

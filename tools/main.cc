@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <functional>
 #include <iostream>
+#include <new>
 #include <string>
 
 #include "commands.h"
@@ -128,6 +129,10 @@ int main(int argc, char** argv) {
   } catch (const moe_reroute::Error& e) {
     std::cerr << "error: " << e.what() << "\n";
     return kBadInput;
+  } catch (const std::bad_alloc&) {
+    std::cerr << "error: out of memory: the inputs and outputs do not fit in this machine's "
+                 "memory\n";
+    return 1;
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << "\n";
     return 1;

@@ -52,6 +52,10 @@ testing::WorkloadConfig workload_config(const WorkloadOptions& o) {
   if (o.tokens < 0 || o.hidden < 1 || o.ranks < 1 || o.experts < 1) {
     fail("--tokens >= 0, --hidden >= 1, --ranks >= 1 and --experts >= 1 are required");
   }
+  if (o.valid_tokens < -1) {
+    fail("--valid-tokens: must be -1 (all) or 0 to --tokens, got " +
+         std::to_string(o.valid_tokens));
+  }
   if (o.valid_tokens > o.tokens) {
     fail("--valid-tokens: " + std::to_string(o.valid_tokens) + " exceeds --tokens " +
          std::to_string(o.tokens));
@@ -76,6 +80,10 @@ testing::WorkloadConfig workload_config(const WorkloadOptions& o) {
   } else if (config.has_scales) {
     bad_scales(o.scales);
   }
+  // The core's own checks of shapes, dtypes and attributes, before the
+  // workload allocates outputs by them (an expert_alignment of 0 would size
+  // them negative).
+  infer_reroute(testing::meta_inputs(config), config.attributes);
   return config;
 }
 

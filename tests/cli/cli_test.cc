@@ -14,6 +14,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "moe_reroute/version.h"
@@ -546,9 +547,20 @@ TEST_F(BadInput, CommandLineErrors) {
   expect_refused({"--bogus"}, "--bogus");
   expect_refused({}, "--out", {{"--out", ""}});
   expect_refused({}, "--counts", {{"--counts", ""}});
-  const Result no_rounds = run_cli({"bench", "--repeat", "0"});
-  EXPECT_EQ(no_rounds.status, 2);
-  EXPECT_THAT(no_rounds.err, HasSubstr("--repeat: Value 0 not in range 1 to 1048576"));
+  // bench and gen: the workload flags pass the core's inference before
+  // anything is allocated by them.
+  for (const auto& [args, message] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"bench", "--repeat", "0"}, "--repeat: Value 0 not in range 1 to 1048576"},
+           {{"bench", "--tokens", "4", "--expert-alignment", "0"},
+            "expert_alignment: must be >= 1, got 0"},
+           {{"gen", "--tokens", "4", "--valid-tokens", "-5", "--out", (dir_ / "g").string()},
+            "--valid-tokens: must be -1 (all) or 0 to --tokens, got -5"},
+           {{"gen", "--tokens", "4", "--scales", "e8m0", "--out", (dir_ / "g").string()},
+            "per_token_scales: float8_e8m0 scales pair only"}}) {
+    const Result refused = run_cli(args);
+    EXPECT_EQ(refused.status, 2) << message;
+    EXPECT_THAT(refused.err, HasSubstr(message));
+  }
   expect_refused({"--threads", "-1"}, "--threads: must be >= 0 (0 = all hardware threads), got -1");
   expect_refused({"--idx-type", "gather"}, "--idx-type");
   expect_refused({}, "out: cannot create", {{"--out", raw("plain-file", "x")}});
