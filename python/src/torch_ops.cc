@@ -612,9 +612,10 @@ c10::TypedOperatorHandle<decltype(reroute_out)> out_op() {
 
 // The out= op's autograd kernel, boxed: it reads each argument by its schema
 // name, and refuses before anything is written
-// - an argument that requires grad while grad mode is on: out= has no
-//   derivative, as torch's own out= functions have none (an output that
-//   requires grad would also be written behind autograd's back);
+// - an argument that requires grad while grad mode is on, or that has a
+//   forward-mode tangent: out= has no derivative, as torch's own out=
+//   functions have none (an output that requires grad would also be written
+//   behind autograd's back);
 // - an output that is an inference tensor: this kernel runs outside
 //   inference mode, where torch refuses in-place writes to one (torch's own
 //   out= functions refuse it after writing);
@@ -629,6 +630,9 @@ void reroute_out_autograd(const c10::OperatorHandle& op, torch::jit::Stack* stac
     TORCH_CHECK(!grad_mode || !tensor.requires_grad(), arguments[i].name(),
                 ": requires grad, but moe_re_routing_out (out=) has no autograd; call "
                 "moe_re_routing for gradients, or this under torch.no_grad()");
+    TORCH_CHECK_NOT_IMPLEMENTED(!has_tangent(tensor), arguments[i].name(),
+                                ": has a forward-mode tangent, but moe_re_routing_out (out=) has "
+                                "no derivative; call moe_re_routing for tangents");
     const c10::AliasInfo* alias = arguments[i].alias_info();
     TORCH_CHECK(alias == nullptr || !alias->isWrite() || !tensor.is_inference(),
                 arguments[i].name(),

@@ -387,6 +387,22 @@ def test_out_refuses_an_argument_that_requires_grad_as_torch_out_functions_do(na
     check_forward([arguments[output] for output in names], *inputs)
 
 
+@pytest.mark.parametrize("name", ["tokens", "permute_tokens"])
+def test_out_refuses_a_forward_mode_tangent_before_writing(name):
+    """As torch's own out= functions (NotImplementedError): a dual input or
+    output would lose its tangent."""
+    arguments = out_arguments()
+    inputs = [arguments[k] for k in INVERSE_ARGUMENTS[:4]]
+    names = list(arguments)[4:]
+    arguments |= zip(names, poisoned_outputs("torch", *inputs))
+    with fwAD.dual_level():
+        arguments[name] = fwAD.make_dual(arguments[name], torch.zeros_like(arguments[name]))
+        with pytest.raises(NotImplementedError, match=f"^{name}: has a forward-mode tangent, but "
+                                                      "moe_re_routing_out"):
+            OPS.moe_re_routing_out(**arguments)
+    assert all((byte_rows(arguments[output]) == reference.POISON).all() for output in names)
+
+
 def test_out_refuses_inference_outputs_outside_inference_mode_before_writing():
     """torch refuses in-place writes to inference tensors outside inference
     mode (its own out= functions after writing); this op names the output and
