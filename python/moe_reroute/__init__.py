@@ -80,7 +80,9 @@ def moe_re_routing(tokens, expert_token_num_per_rank, *, per_token_scales=None,
     k pads each expert's segment to a multiple of k rows (R = A + E*(k-1) rows
     when k > 1); ``allow_spare_rows`` lets the counts sum to less than A.
     Torch tensors in, torch tensors out; NumPy in, NumPy out. ``out``: the five
-    outputs to write (contiguous, the inferred specs); they are returned.
+    outputs to write (contiguous, the inferred specs); they are returned. It
+    has no autograd: as torch's own out= functions, it refuses torch tensors
+    that require grad (with grad mode on) or carry forward-mode tangents.
     Raises TypeError (dtype), ValueError (shape, value) or RuntimeError
     (device runtime) naming the argument, before writing anything.
     """
