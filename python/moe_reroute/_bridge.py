@@ -3,6 +3,10 @@ attributes type-checked as the core module takes them (docs/spec.md section 4)."
 
 from __future__ import annotations
 
+import operator
+
+import numpy as np
+
 from . import _core
 
 TABLE = tuple(_core.dtype_table())
@@ -19,14 +23,33 @@ def row(name: str) -> dict:
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 
 
+def type_name(value) -> str:
+    """The type of `value` as a user writes it: int, numpy.float32, torch.Tensor."""
+    kind = type(value)
+    if kind.__module__ == "builtins":
+        return kind.__qualname__
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
 def checked(name: str, value, kind):
-    """`value`, if it is a `kind` (int: not a bool, and within int64, as the
-    core takes it); else TypeError or ValueError naming `name`."""
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise TypeError(f"{name}: expected {kind.__name__}, got {type(value).__name__}")
-    if kind is int and not INT64_MIN <= value <= INT64_MAX:
-        raise ValueError(f"{name}: {value} does not fit in int64")
-    return value
+    """`value` as a `kind`, else TypeError naming `name`. An int is anything
+    integral but a bool (operator.index: NumPy integers too, as NumPy's own
+    functions take them) and must fit int64, as the core takes it (else
+    ValueError); a bool is a Python or NumPy bool; a str is a str."""
+    if kind is int and not isinstance(value, (bool, np.bool_)):
+        try:
+            value = operator.index(value)
+        except TypeError:
+            pass
+        else:
+            if not INT64_MIN <= value <= INT64_MAX:
+                raise ValueError(f"{name}: {value} does not fit in int64")
+            return value
+    elif kind is bool and isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    elif kind is str and isinstance(value, str):
+        return value
+    raise TypeError(f"{name}: expected {kind.__name__}, got {type_name(value)}")
 
 
 def attributes(expert_token_num_type, idx_type, expert_alignment, allow_spare_rows) -> dict:

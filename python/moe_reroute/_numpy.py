@@ -17,7 +17,7 @@ def check_array(array, name: str):
     if not isinstance(array, np.ndarray):
         expected = ("a numpy.ndarray or torch.Tensor" if name == "tokens"
                     else "a numpy.ndarray, as tokens is one")
-        raise TypeError(f"{name}: expected {expected}, got {type(array).__name__}")
+        raise TypeError(f"{name}: expected {expected}, got {_bridge.type_name(array)}")
     return array
 
 

@@ -164,7 +164,7 @@ def test_non_array_input_is_refused():
                                         "as tokens is one, got list$"):
         moe_reroute.moe_re_routing(np.ones((A, 4), np.float16), [[6]])
     with pytest.raises(TypeError, match="^per_token_scales: expected a numpy.ndarray, as tokens "
-                                        "is one, got Tensor$"):
+                                        "is one, got torch.Tensor$"):
         moe_reroute.moe_re_routing(np.ones((A, 4), np.float16), COUNTS,
                                    per_token_scales=torch.ones(A))
     with pytest.raises(TypeError, match="^tokens: expected a numpy.ndarray or torch.Tensor, "
@@ -224,6 +224,11 @@ def test_fp4_storage_too_wide_to_double_is_refused():
     ("expert_alignment", "2", "expert_alignment: expected int, got str"),
     ("allow_spare_rows", "yes", "allow_spare_rows: expected bool, got str"),
     ("idx_type", True, "idx_type: expected int, got bool"),
+    ("idx_type", np.bool_(False), "idx_type: expected int, got numpy.bool"),
+    ("expert_alignment", np.float32(2), "expert_alignment: expected int, got numpy.float32"),
+    ("expert_alignment", np.ones(2, np.int64), "expert_alignment: expected int, got numpy.ndarray"),
+    ("allow_spare_rows", 1, "allow_spare_rows: expected bool, got int"),
+    ("allow_spare_rows", np.int8(1), "allow_spare_rows: expected bool, got numpy.int8"),
 ])
 def test_numpy_attribute_of_the_wrong_type_is_named(keyword, value, message):
     arguments = good()
@@ -233,7 +238,7 @@ def test_numpy_attribute_of_the_wrong_type_is_named(keyword, value, message):
 
 
 @pytest.mark.parametrize("keyword", ["expert_token_num_type", "idx_type", "expert_alignment"])
-@pytest.mark.parametrize("value", [2**63, -2**63 - 1, 2**70])
+@pytest.mark.parametrize("value", [2**63, -2**63 - 1, 2**70, np.uint64(2**64 - 1)])
 def test_numpy_attribute_past_int64_is_named(keyword, value):
     arguments = good()
     with pytest.raises(ValueError, match=f"^{keyword}: {value} does not fit in int64$"):

@@ -186,6 +186,27 @@ def test_numpy_inputs_in_the_other_byte_order_are_read_by_value(count_dtype):
                                    expert_topk_weight=weight, out=out)
 
 
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_numpy_scalar_attributes_act_as_python_ones(framework):
+    """NumPy integers and bools as attributes (what np.lcm or a loaded config
+    gives), as NumPy's own functions take them: the same bytes as Python ints."""
+    rng = np.random.default_rng(5)
+    counts = reference.random_counts(rng, 40)
+    tokens = random_array(framework, rng, framework_dtype(framework, "float16"), (40, 6), 2)
+    attributes = dict(expert_token_num_type=np.int8(0), idx_type=np.uint64(1),
+                      expert_alignment=np.int64(1), allow_spare_rows=np.bool_(True))
+    result = moe_reroute.moe_re_routing(tokens, counts_array(framework, counts), **attributes)
+    check_forward(framework, result, tokens, counts, None, None,
+                  dict(expert_token_num_type=0, idx_type=1))
+    padded = moe_reroute.moe_re_routing(tokens, counts_array(framework, counts),
+                                        expert_alignment=np.int64(4))
+    assert padded[0].shape[0] == reference.rows_out(40, counts.shape[1], 4)
+    restored = moe_reroute.moe_re_routing_inverse(padded[0], counts_array(framework, counts),
+                                                  expert_alignment=np.int32(4),
+                                                  allow_spare_rows=np.bool_(False))
+    np.testing.assert_array_equal(byte_rows(restored[0]), byte_rows(tokens))
+
+
 def test_spec_worked_example():
     counts = np.array([[1, 0, 2], [2, 1, 0]], np.int32)
     tokens = (np.arange(12, dtype=np.float16) + 1).reshape(6, 2)
