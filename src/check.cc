@@ -24,6 +24,7 @@ struct Span {
 
 // Rule 10's spec check of one output.
 void check_output_spec(const NamedView& output, const TensorSpec& spec) {
+  check_dtype_value(*output.view, output.name);
   if (!(output.view->spec == spec)) {
     fail(ErrorCode::kInvalidArgument, std::string(output.name) + ": must be " + spec.to_string() +
                                           ", got " + output.view->spec.to_string());
@@ -31,6 +32,14 @@ void check_output_spec(const NamedView& output, const TensorSpec& spec) {
 }
 
 }  // namespace
+
+void check_dtype_value(const TensorView& view, const char* name) {
+  const auto value = static_cast<std::size_t>(view.dtype());
+  if (value >= dtype_table().size()) {
+    fail(ErrorCode::kUnsupported, std::string(name) + ": dtype enum value " +
+                                      std::to_string(value) + " is not in the dtype table");
+  }
+}
 
 std::vector<NamedView> named_outputs(const RerouteOutputs& outputs) {
   return {{"permute_tokens", &outputs.permute_tokens},
@@ -79,6 +88,7 @@ void check_run_arguments(const std::vector<TensorSpec>& input_specs,
   input_spans.reserve(inputs.size());
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const NamedView& input = inputs[i];
+    check_dtype_value(*input.view, input.name);
     if (!(input.view->spec == input_specs[i])) {
       fail(ErrorCode::kInvalidArgument, std::string(input.name) + ": is " +
                                             input.view->spec.to_string() +

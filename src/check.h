@@ -64,6 +64,11 @@ inline std::int64_t row_bytes(const TensorSpec& spec) {
 
 namespace moe_reroute::detail {
 
+/// Throws Error naming `name` where `view`'s DType is a value outside the
+/// table (C++ callers only: a cast from a bad integer), before any message
+/// looks its name up.
+void check_dtype_value(const TensorView& view, const char* name);
+
 struct NamedView {
   const char* name;
   const TensorView* view;

@@ -28,6 +28,7 @@ std::string spec_string(const TensorView& view) { return view.spec.to_string(); 
 
 // Rule 1, 2 and 6: [A, H] with a row length that fits in bytes.
 void check_tokens(const TensorView& tokens, bool token_dtypes_only, bool index_limit) {
+  detail::check_dtype_value(tokens, "tokens");
   const DTypeInfo& info = dtype_info(tokens.dtype());
   if (token_dtypes_only && !(info.roles & kRoleToken)) {
     fail(ErrorCode::kUnsupported, "tokens: dtype " + std::string(info.name) +
@@ -60,6 +61,7 @@ void check_tokens(const TensorView& tokens, bool token_dtypes_only, bool index_l
 // Rule 3.
 void check_counts_spec(const TensorView& counts) {
   const char* name = "expert_token_num_per_rank";
+  detail::check_dtype_value(counts, name);
   if (!(dtype_info(counts.dtype()).roles & kRoleCount)) {
     fail(ErrorCode::kUnsupported, std::string(name) + ": dtype " +
                                       std::string(dtype_name(counts.dtype())) +
@@ -115,6 +117,7 @@ unsigned scale_forms(DType scales_dtype, std::optional<DType> tokens_dtype) {
 void check_scales(const TensorView& scales, std::int64_t num_rows,
                   std::optional<DType> tokens_dtype) {
   const char* name = "per_token_scales";
+  detail::check_dtype_value(scales, name);
   const Shape& shape = scales.shape();
   const unsigned forms = scale_forms(scales.dtype(), tokens_dtype);
   const unsigned form = shape.ndim == 1                     ? kScaleRows
@@ -146,6 +149,7 @@ void check_scales(const TensorView& scales, std::int64_t num_rows,
 // Rule 8.
 void check_weight(const TensorView& weight, std::int64_t num_rows) {
   const char* name = "expert_topk_weight";
+  detail::check_dtype_value(weight, name);
   const Shape& shape = weight.shape();
   if (weight.dtype() != DType::kFloat32) {
     fail(ErrorCode::kUnsupported, std::string(name) + ": dtype " +

@@ -245,6 +245,18 @@ std::vector<Refusal> forward_refusals() {
       {"idx_type_2_pow_32", keep_config,
        with_attributes({kExpertTokenNumCount, std::int64_t{1} << 32}), invalid,
        {"idx_type", "got 4294967296"}},
+      // A DType cast from a bad integer: named before its name is looked up.
+      {"tokens_dtype_enum_99", keep_config, tokens_as(DType{99}, {64, 16}), unsupported,
+       {"tokens", "dtype enum value 99 is not in the dtype table"}},
+      {"counts_dtype_enum_13", keep_config, counts_as(DType{13}, {2, 4}), unsupported,
+       {"expert_token_num_per_rank", "dtype enum value 13"}},
+      {"scales_dtype_enum_255", keep_config, scales_as(DType{255}, {64, 2}), unsupported,
+       {"per_token_scales", "dtype enum value 255"}},
+      {"weight_dtype_enum_20", keep_config, weight_as(DType{20}, {64, 1}), unsupported,
+       {"expert_topk_weight", "dtype enum value 20"}},
+      {"permute_token_idx_dtype_enum_40", keep_config,
+       output(&O::permute_token_idx, DType{40}, {64}), unsupported,
+       {"permute_token_idx", "dtype enum value 40"}},
       // Rule 10: output specs.
       {"permute_tokens_wrong_shape", keep_config, output(&O::permute_tokens, bf16, {64, 15}),
        invalid, {"permute_tokens", "must be bfloat16[64, 16]", "got bfloat16[64, 15]"}},
@@ -316,6 +328,14 @@ std::vector<Refusal> forward_refusals() {
          run_reroute(plan, call.inputs, call.outputs);
        },
        invalid, {"expert_token_num_per_rank", "is int64[2, 2]", "made for int32[2, 4]"}},
+      {"plan_run_with_a_scales_dtype_enum_outside_the_table", keep_config,
+       [](Workload& w) {
+         ForwardCall call = forward_call(w, WeightForm::kA1);
+         const Plan plan = plan_reroute(call.inputs);
+         call.inputs.per_token_scales->spec.dtype = DType{77};
+         run_reroute(plan, call.inputs, call.outputs);
+       },
+       unsupported, {"per_token_scales", "dtype enum value 77"}},
       {"plan_with_scales_run_without", keep_config,
        [](Workload& w) {
          ForwardCall call = forward_call(w, WeightForm::kA1);
