@@ -48,38 +48,35 @@ using OptionalName = std::optional<c10::string_view>;
 using Forward = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
 using Inverse = std::tuple<Tensor, Tensor, Tensor>;
 
-// torch's dtypes by the names of its Python API (torch.bfloat16: "bfloat16"),
-// which the core's dtype table uses; which of them the operator takes is the
-// table's business.
-struct TorchDType {
-  c10::ScalarType type;
-  std::string_view name;
-};
-constexpr TorchDType kTorchDTypes[] = {
-    {c10::kHalf, "float16"},        {c10::kBFloat16, "bfloat16"},
-    {c10::kFloat, "float32"},       {c10::kDouble, "float64"},
-    {c10::kChar, "int8"},           {c10::kShort, "int16"},
-    {c10::kInt, "int32"},           {c10::kLong, "int64"},
-    {c10::kByte, "uint8"},          {c10::kUInt16, "uint16"},
-    {c10::kUInt32, "uint32"},       {c10::kUInt64, "uint64"},
-    {c10::kBool, "bool"},           {c10::kFloat8_e5m2, "float8_e5m2"},
-    {c10::kFloat8_e4m3fn, "float8_e4m3fn"}, {c10::kFloat8_e8m0fnu, "float8_e8m0fnu"},
-    {c10::kFloat4_e2m1fn_x2, "float4_e2m1fn_x2"},
-};
+constexpr auto kNumTorchDTypes = static_cast<std::size_t>(c10::ScalarType::NumOptions);
+
+// A torch dtype's name in torch's Python API (torch.bfloat16: "bfloat16"), by
+// which the core's dtype table knows it; torch's own names, read once. Which of
+// the dtypes the operator takes is the table's business.
+std::string_view python_name(c10::ScalarType type) {
+  static const std::array<std::string, kNumTorchDTypes> names = [] {
+    std::array<std::string, kNumTorchDTypes> names;
+    for (std::size_t i = 0; i < kNumTorchDTypes; ++i) {
+      if (static_cast<c10::ScalarType>(i) != c10::ScalarType::Undefined) {
+        names[i] = std::string(c10::getDtypeNames(static_cast<c10::ScalarType>(i)).first);
+      }
+    }
+    return names;
+  }();
+  return names[static_cast<std::size_t>(type)];
+}
 
 adapter::Storage storage(const Tensor& tensor) {
   const c10::ScalarType type = tensor.scalar_type();
-  const int bits = static_cast<int>(c10::elementSize(type)) * 8;
-  for (const TorchDType& dtype : kTorchDTypes) {
-    if (dtype.type == type) return {dtype.name, bits};
-  }
-  return {c10::toString(type), bits};
+  return {python_name(type), static_cast<int>(c10::elementSize(type)) * 8};
 }
 
 // The torch dtype of an output the core specifies by its own dtype.
 c10::ScalarType torch_dtype(DType dtype) {
-  for (const TorchDType& candidate : kTorchDTypes) {
-    if (candidate.name == dtype_info(dtype).torch_name) return candidate.type;
+  const std::string_view name = dtype_info(dtype).torch_name;  // "": torch has none
+  for (std::size_t i = 0; i < kNumTorchDTypes && !name.empty(); ++i) {
+    const auto type = static_cast<c10::ScalarType>(i);
+    if (python_name(type) == name) return type;
   }
   fail(ErrorCode::kUnsupported,
        std::string("dtype ") + std::string(dtype_name(dtype)) + " has no torch dtype");

@@ -21,7 +21,7 @@ import reference
 from cases import byte_rows, poisoned_outputs, rows
 from cases import check_torch_forward as check_forward
 from cases import check_torch_inverse as check_inverse
-from test_errors import BAD_INPUTS, as_torch, good
+from test_errors import A, BAD_INPUTS, COUNTS, as_torch, good
 
 OPS = torch.ops.moe_reroute
 
@@ -143,6 +143,35 @@ def test_fake_compile_and_export_refuse_as_eager(label, changes, error, message)
     with pytest.raises(Exception) as caught:
         compiled(**tensors)
     assert f"{error.__name__}({str(eager)!r})" in str(caught.value)
+
+
+def dense_dtypes():
+    """Every torch dtype but the quantized ones (other tensors than dense ones) by its
+    Python name, once each (torch.bit is torch.uint1)."""
+    dtypes = {getattr(torch, name) for name in dir(torch)
+              if isinstance(getattr(torch, name), torch.dtype)}
+    names = {dtype: str(dtype).removeprefix("torch.") for dtype in dtypes}
+    return {dtype: name for dtype, name in names.items() if not name.startswith(("qint", "quint"))}
+
+
+REFUSED_TOKEN_DTYPES = sorted(
+    ((dtype, name) for dtype, name in dense_dtypes().items()
+     if not any(row["torch_name"] == name and row["token"] for row in moe_reroute.dtype_table())),
+    key=operator.itemgetter(1))
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.parametrize(("dtype", "name"), REFUSED_TOKEN_DTYPES,
+                         ids=[name for _, name in REFUSED_TOKEN_DTYPES])
+def test_every_refused_torch_dtype_is_named_as_in_python_eager_and_fake(dtype, name):
+    table_names = {row["torch_name"]: row["name"] for row in moe_reroute.dtype_table()}
+    counts = torch.from_numpy(COUNTS)
+    tokens = torch.empty(A, 4, dtype=dtype)
+    with pytest.raises(TypeError, match=f"^tokens: dtype {table_names.get(name, name)} ") as eager:
+        OPS.moe_re_routing(tokens, counts)
+    with FakeTensorMode() as mode, pytest.raises(TypeError) as fake:
+        OPS.moe_re_routing(mode.from_tensor(tokens), mode.from_tensor(counts))
+    assert str(fake.value) == str(eager.value)
 
 
 INVERSE_ARGUMENTS = ("tokens", "expert_token_num_per_rank", "per_token_scales",
