@@ -160,7 +160,7 @@ REFUSED_TOKEN_DTYPES = sorted(
     key=operator.itemgetter(1))
 
 
-@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+@pytest.mark.filterwarnings("ignore:.* support is experimental")  # complex32, bcomplex32
 @pytest.mark.parametrize(("dtype", "name"), REFUSED_TOKEN_DTYPES,
                          ids=[name for _, name in REFUSED_TOKEN_DTYPES])
 def test_every_refused_torch_dtype_is_named_as_in_python_eager_and_fake(dtype, name):
