@@ -5,8 +5,9 @@ of the same bytes), all in one process, contenders interleaved call by call
 (block by block in the loops table).
 
 - overhead: A = 1 (bf16 H = 7168), per-call cost against one index_select of
-  the tokens, plain and under torch.inference_mode, and the NumPy call beside
-  NumPy fancy indexing (bf16 as uint16 storage named by tokens_dtype);
+  the tokens, plain, under torch.inference_mode and with tokens that require
+  grad (both record a graph node), and the NumPy call beside NumPy fancy
+  indexing (bf16 as uint16 storage named by tokens_dtype);
 - decode: A = 256 bf16 H = 7168, float32 scales [A] and weights [A, 1],
   against index_select of the tokens alone (and the NumPy call beside fancy
   indexing of the tokens);
@@ -178,7 +179,13 @@ def overhead(repeats):
         "moe_reroute.moe_re_routing (numpy)": lambda: moe_reroute.moe_re_routing(
             np_tokens, np_counts, tokens_dtype="bfloat16"),
     }
-    times = timings_us(rows | numpy_rows, repeats)
+    # With tokens that require grad, each call also records its graph node.
+    tracked = tokens.detach().requires_grad_()
+    grad_rows = {
+        "torch.index_select (requires grad)": lambda: torch.index_select(tracked, 0, index),
+        "torch.ops.moe_reroute.moe_re_routing (requires grad)": lambda: forward(tracked, counts),
+    }
+    times = timings_us(rows | grad_rows | numpy_rows, repeats)
     with torch.inference_mode():
         inference = timings_us(rows, repeats)
     times |= {f"{name} (inference_mode)": t for name, t in inference.items()}

@@ -12,7 +12,8 @@
 #include <ATen/ops/zeros.h>
 #include <c10/core/DeviceGuard.h>
 #include <sys/mman.h>
-#include <torch/autograd.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
 #include <array>
@@ -23,6 +24,8 @@
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "adapter.h"
@@ -393,8 +396,24 @@ c10::TypedOperatorHandle<decltype(inverse)> inverse_op() {
   return op;
 }
 
-using torch::autograd::AutogradContext;
+using torch::autograd::Node;
 using torch::autograd::variable_list;
+
+// How this torch owns graph nodes: std::shared_ptr (torch 2.9) or
+// c10::intrusive_ptr (later releases).
+using NodePtr = decltype(torch::autograd::Edge::function);
+
+// A new `T`, owned as NodePtr says: the one place that differs between them.
+template <typename T, typename... Args>
+NodePtr make_node(Args&&... args) {
+  if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, T>) {
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
+  } else {
+    // torch's deleter frees a long chain of nodes without deep recursion.
+    return std::shared_ptr<T>(new T(std::forward<Args>(args)...),
+                              [](T* node) { deleteNode(node); });
+  }
+}
 
 bool requires_grad(const Tensor& tokens, const OptionalTensor& scales, const OptionalTensor& weight) {
   return at::GradMode::is_enabled() &&
@@ -410,105 +429,131 @@ void zero_rows_from(Tensor& gradient, const Tensor& valid) {
   gradient.masked_fill_(rows.ge(valid).view(shape), 0);
 }
 
-void save(AutogradContext* ctx, const Tensor& counts, const OptionalTensor& scales,
-          const OptionalTensor& weight, const OptionalName& tokens_dtype,
-          std::int64_t expert_alignment, bool allow_spare_rows) {
-  ctx->save_for_backward({counts});
-  ctx->saved_data["has_scales"] = scales.has_value();
-  ctx->saved_data["has_weight"] = weight.has_value();
-  ctx->saved_data["tokens_dtype"] = name_of(tokens_dtype);
-  ctx->saved_data["expert_alignment"] = expert_alignment;
-  ctx->saved_data["allow_spare_rows"] = allow_spare_rows;
+// The graph node of a call to either op, built as torch's own derivative code
+// builds its nodes, which torch.func's transforms (grad, vjp, jacrev) take
+// where they refuse a C++ torch::autograd::Function. Its edges lead to the
+// call's tokens, per_token_scales and expert_topk_weight; its inputs are the
+// gradients of the call's outputs, in order. Both ops are reorders by the
+// counts, so each one's backward is the other.
+class ReorderBackward : public Node {
+ public:
+  ReorderBackward(const Tensor& counts, const OptionalName& tokens_dtype,
+                  std::int64_t expert_alignment, bool allow_spare_rows)
+      : counts_(counts, /*is_output=*/false),
+        tokens_dtype_(name_of(tokens_dtype)),
+        expert_alignment_(expert_alignment),
+        allow_spare_rows_(allow_spare_rows) {}
+
+  void release_variables() override { counts_.reset_data(); }
+
+ protected:
+  // The call's inputs with gradients: the node's edges, in order.
+  enum Input : std::size_t { kTokens, kScales, kWeight };
+
+  // The counts, refused (by torch) where modified in place since the call or
+  // freed by an earlier backward.
+  Tensor counts() const { return counts_.unpack(); }
+  OptionalName tokens_dtype() const {
+    return tokens_dtype_ ? OptionalName(*tokens_dtype_) : std::nullopt;
+  }
+
+  // The gradient of output `output`: zeros where none came (an output the
+  // loss does not use, or one of a dtype without gradients).
+  Tensor gradient(const variable_list& grads, std::size_t output) const {
+    return grads[output].defined() ? grads[output].contiguous()
+                                   : input_metadata(output).zeros_like();
+  }
+  // The same where `input` takes a gradient; none otherwise.
+  OptionalTensor gradient_for(Input input, const variable_list& grads, std::size_t output) const {
+    if (!task_should_compute_output(input)) return std::nullopt;
+    return gradient(grads, output);
+  }
+
+  // The inputs' gradients from the reorder's, undefined where none is asked,
+  // with rows [valid, rows) zeroed where `valid` is given: rows the op never
+  // read get none.
+  variable_list input_gradients(Tensor tokens, Tensor scales, Tensor weight,
+                                const std::optional<Tensor>& valid) const {
+    variable_list gradients{std::move(tokens), std::move(scales), std::move(weight)};
+    for (const Input input : {kTokens, kScales, kWeight}) {
+      Tensor& gradient = gradients[input];
+      if (!task_should_compute_output(input)) {
+        gradient = Tensor();
+      } else if (valid) {
+        zero_rows_from(gradient, *valid);
+      }
+    }
+    return gradients;
+  }
+
+  torch::autograd::SavedVariable counts_;
+  std::optional<std::string> tokens_dtype_;
+  std::int64_t expert_alignment_;
+  bool allow_spare_rows_;
+};
+
+// The forward's backward: the inverse reorder of the incoming gradients.
+class RerouteBackward final : public ReorderBackward {
+ public:
+  using ReorderBackward::ReorderBackward;
+  std::string name() const override { return "MoeReRoutingBackward"; }
+
+  variable_list apply(variable_list&& grads) override {
+    const Tensor counts = this->counts();
+    auto [tokens, scales, weight] = inverse_op().call(
+        gradient(grads, 0), counts, gradient_for(kScales, grads, 1),
+        gradient_for(kWeight, grads, 4), tokens_dtype(), expert_alignment_, allow_spare_rows_);
+    // The forward's spare input rows, past the counts' sum.
+    return input_gradients(std::move(tokens), std::move(scales), std::move(weight),
+                          allow_spare_rows_ ? std::optional<Tensor>(counts.sum()) : std::nullopt);
+  }
+};
+
+// The inverse's backward: the forward reorder of the incoming gradients.
+class InverseBackward final : public ReorderBackward {
+ public:
+  using ReorderBackward::ReorderBackward;
+  std::string name() const override { return "MoeReRoutingInverseBackward"; }
+
+  variable_list apply(variable_list&& grads) override {
+    auto [tokens, scales, idx, cumsum, weight] = forward_op().call(
+        gradient(grads, 0), counts(), gradient_for(kScales, grads, 1),
+        gradient_for(kWeight, grads, 2), kExpertTokenNumCumsum, kIdxGather, tokens_dtype(),
+        expert_alignment_, allow_spare_rows_);
+    // The inverse's tail input rows, past the last padded segment end (cumsum[-1]).
+    return input_gradients(std::move(tokens), std::move(scales), std::move(weight),
+                          expert_alignment_ > 1 ? std::optional<Tensor>(cumsum[-1]) : std::nullopt);
+  }
+};
+
+// Records `output` as the next of `node`'s inputs and, where its dtype has
+// gradients, makes `node` its grad_fn (the index outputs and integer data
+// get none).
+void set_history(const NodePtr& node, const Tensor& output) {
+  const std::uint32_t input_nr = node->add_input_metadata(output);
+  if (torch::autograd::isDifferentiableType(output.scalar_type())) {
+    torch::autograd::impl::set_gradient_edge(output, {node, input_nr});
+  }
 }
 
-struct Saved {
-  Tensor counts;
-  bool has_scales;
-  bool has_weight;
-  std::optional<std::string> tokens_dtype;
-  std::int64_t expert_alignment;
-  bool allow_spare_rows;
-
-  explicit Saved(AutogradContext* ctx)
-      : counts(ctx->get_saved_variables()[0]),
-        has_scales(ctx->saved_data["has_scales"].toBool()),
-        has_weight(ctx->saved_data["has_weight"].toBool()),
-        tokens_dtype(ctx->saved_data["tokens_dtype"].toOptional<std::string>()),
-        expert_alignment(ctx->saved_data["expert_alignment"].toInt()),
-        allow_spare_rows(ctx->saved_data["allow_spare_rows"].toBool()) {}
-
-  OptionalTensor scales(const Tensor& gradient) const {
-    return has_scales ? OptionalTensor(gradient.contiguous()) : std::nullopt;
+// Runs `call` below the autograd layer and, where an input requires grad,
+// makes a `Backward` node (edges to tokens, scales, weight) its outputs' grad_fn.
+template <typename Backward, typename Call>
+auto recorded(const Tensor& tokens, const Tensor& counts, const OptionalTensor& scales,
+              const OptionalTensor& weight, const OptionalName& tokens_dtype,
+              std::int64_t expert_alignment, bool allow_spare_rows, const Call& call) {
+  NodePtr node;
+  if (requires_grad(tokens, scales, weight)) {
+    node = make_node<Backward>(counts, tokens_dtype, expert_alignment, allow_spare_rows);
+    node->set_next_edges(torch::autograd::collect_next_edges(tokens, scales, weight));
   }
-  OptionalTensor weight(const Tensor& gradient) const {
-    return has_weight ? OptionalTensor(gradient.contiguous()) : std::nullopt;
-  }
-  OptionalName name() const {
-    return tokens_dtype ? OptionalName(*tokens_dtype) : std::nullopt;
-  }
-  // Rows the op never read (the forward's spare input rows, the inverse's
-  // tail input rows) get no gradient: rows [valid, rows) of each gradient.
-  void zero_unread_rows(const Tensor& valid, Tensor& tokens, Tensor& scales, Tensor& weight) const {
-    zero_rows_from(tokens, valid);
-    if (has_scales) zero_rows_from(scales, valid);
-    if (has_weight) zero_rows_from(weight, valid);
-  }
-  Tensor when_scales(const Tensor& gradient) const { return has_scales ? gradient : Tensor(); }
-  Tensor when_weight(const Tensor& gradient) const { return has_weight ? gradient : Tensor(); }
-};
-
-// The forward's backward is the inverse reorder of the incoming gradients.
-struct RerouteFunction : torch::autograd::Function<RerouteFunction> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& tokens, const Tensor& counts,
-                               const OptionalTensor& scales, const OptionalTensor& weight,
-                               std::int64_t expert_token_num_type, std::int64_t idx_type,
-                               OptionalName tokens_dtype, std::int64_t expert_alignment,
-                               bool allow_spare_rows) {
-    save(ctx, counts, scales, weight, tokens_dtype, expert_alignment, allow_spare_rows);
-    auto [out_tokens, out_scales, idx, num, out_weight] =
-        forward_op().call(tokens, counts, scales, weight, expert_token_num_type, idx_type,
-                          tokens_dtype, expert_alignment, allow_spare_rows);
-    ctx->mark_non_differentiable({idx, num});
-    return {out_tokens, out_scales, idx, num, out_weight};
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const Saved saved(ctx);
-    auto [tokens, scales, weight] =
-        inverse_op().call(grads[0].contiguous(), saved.counts, saved.scales(grads[1]),
-                          saved.weight(grads[4]), saved.name(), saved.expert_alignment,
-                          saved.allow_spare_rows);
-    if (saved.allow_spare_rows) saved.zero_unread_rows(saved.counts.sum(), tokens, scales, weight);
-    return {tokens,   Tensor(), saved.when_scales(scales), saved.when_weight(weight),
-            Tensor(), Tensor(), Tensor(),                  Tensor(),
-            Tensor()};
-  }
-};
-
-// The inverse's backward is the forward reorder of the incoming gradients.
-struct InverseFunction : torch::autograd::Function<InverseFunction> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& tokens, const Tensor& counts,
-                               const OptionalTensor& scales, const OptionalTensor& weight,
-                               OptionalName tokens_dtype, std::int64_t expert_alignment,
-                               bool allow_spare_rows) {
-    save(ctx, counts, scales, weight, tokens_dtype, expert_alignment, allow_spare_rows);
-    auto [out_tokens, out_scales, out_weight] = inverse_op().call(
-        tokens, counts, scales, weight, tokens_dtype, expert_alignment, allow_spare_rows);
-    return {out_tokens, out_scales, out_weight};
-  }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const Saved saved(ctx);
-    auto [tokens, scales, idx, cumsum, weight] = forward_op().call(
-        grads[0].contiguous(), saved.counts, saved.scales(grads[1]), saved.weight(grads[2]),
-        kExpertTokenNumCumsum, kIdxGather, saved.name(), saved.expert_alignment,
-        saved.allow_spare_rows);
-    // The tail: rows past the last padded segment end (cumsum[-1]).
-    if (saved.expert_alignment > 1) saved.zero_unread_rows(cumsum[-1], tokens, scales, weight);
-    return {tokens, Tensor(), saved.when_scales(scales), saved.when_weight(weight),
-            Tensor(), Tensor(), Tensor()};
-  }
-};
+  auto outputs = [&] {
+    const at::AutoDispatchBelowADInplaceOrView guard;
+    return call();
+  }();
+  if (node) std::apply([&](const auto&... output) { (set_history(node, output), ...); }, outputs);
+  return outputs;
+}
 
 // ---- forward-mode AD ----
 
@@ -553,51 +598,34 @@ auto with_tangents(const Tensor& tokens, const OptionalTensor& scales,
   return outputs;
 }
 
-// The autograd kernels: with no gradient to track they call the kernel below
-// the autograd layer at once, so an eager no-grad call costs no more than the kernel.
+// The autograd kernels: with no gradient to track they only call the kernel
+// below the autograd layer, so an eager no-grad call costs no more than the kernel.
 Forward reroute_autograd(const Tensor& tokens, const Tensor& counts, const OptionalTensor& scales,
                          const OptionalTensor& weight, std::int64_t expert_token_num_type,
                          std::int64_t idx_type, OptionalName tokens_dtype,
                          std::int64_t expert_alignment, bool allow_spare_rows) {
+  const auto call = [&](const Tensor& t, const OptionalTensor& s, const OptionalTensor& w) {
+    return forward_op().call(t, counts, s, w, expert_token_num_type, idx_type, tokens_dtype,
+                             expert_alignment, allow_spare_rows);
+  };
   if (has_tangent(tokens) || has_tangent(scales) || has_tangent(weight)) {
-    return with_tangents<0, 1, 4>(
-        tokens, scales, weight,
-        [&](const Tensor& t, const OptionalTensor& s, const OptionalTensor& w) {
-          return forward_op().call(t, counts, s, w, expert_token_num_type, idx_type,
-                                   tokens_dtype, expert_alignment, allow_spare_rows);
-        });
+    return with_tangents<0, 1, 4>(tokens, scales, weight, call);
   }
-  if (!requires_grad(tokens, scales, weight)) {
-    const at::AutoDispatchBelowADInplaceOrView guard;
-    return forward_op().call(tokens, counts, scales, weight, expert_token_num_type, idx_type,
-                             tokens_dtype, expert_alignment, allow_spare_rows);
-  }
-  const variable_list outputs =
-      RerouteFunction::apply(tokens, counts, scales, weight, expert_token_num_type, idx_type,
-                             tokens_dtype, expert_alignment, allow_spare_rows);
-  return {outputs[0], outputs[1], outputs[2], outputs[3], outputs[4]};
+  return recorded<RerouteBackward>(tokens, counts, scales, weight, tokens_dtype, expert_alignment,
+                                   allow_spare_rows, [&] { return call(tokens, scales, weight); });
 }
 
 Inverse inverse_autograd(const Tensor& tokens, const Tensor& counts, const OptionalTensor& scales,
                          const OptionalTensor& weight, OptionalName tokens_dtype,
                          std::int64_t expert_alignment, bool allow_spare_rows) {
+  const auto call = [&](const Tensor& t, const OptionalTensor& s, const OptionalTensor& w) {
+    return inverse_op().call(t, counts, s, w, tokens_dtype, expert_alignment, allow_spare_rows);
+  };
   if (has_tangent(tokens) || has_tangent(scales) || has_tangent(weight)) {
-    return with_tangents<0, 1, 2>(
-        tokens, scales, weight,
-        [&](const Tensor& t, const OptionalTensor& s, const OptionalTensor& w) {
-          return inverse_op().call(t, counts, s, w, tokens_dtype, expert_alignment,
-                                   allow_spare_rows);
-        });
+    return with_tangents<0, 1, 2>(tokens, scales, weight, call);
   }
-  if (!requires_grad(tokens, scales, weight)) {
-    const at::AutoDispatchBelowADInplaceOrView guard;
-    return inverse_op().call(tokens, counts, scales, weight, tokens_dtype, expert_alignment,
-                             allow_spare_rows);
-  }
-  const variable_list outputs = InverseFunction::apply(tokens, counts, scales, weight,
-                                                       tokens_dtype, expert_alignment,
-                                                       allow_spare_rows);
-  return {outputs[0], outputs[1], outputs[2]};
+  return recorded<InverseBackward>(tokens, counts, scales, weight, tokens_dtype, expert_alignment,
+                                   allow_spare_rows, [&] { return call(tokens, scales, weight); });
 }
 
 c10::TypedOperatorHandle<decltype(reroute_out)> out_op() {

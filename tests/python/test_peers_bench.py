@@ -15,7 +15,8 @@ pytest.importorskip("moe_reroute._torch")
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "bench" / "peers.py"
 ROWS = {
     "overhead": ["torch.index_select", "torch.ops.moe_reroute.moe_re_routing",
-                 "moe_reroute.moe_re_routing (inference_mode)", "numpy fancy index",
+                 "moe_reroute.moe_re_routing (inference_mode)",
+                 "torch.ops.moe_reroute.moe_re_routing (requires grad)", "numpy fancy index",
                  "moe_reroute.moe_re_routing (numpy)"],
     "decode": ["torch.index_select (tokens)", "moe_reroute (tokens, scales, weight)",
                "moe_reroute out=", "megatron split+cat", "numpy fancy index (tokens)",

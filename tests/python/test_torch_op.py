@@ -537,18 +537,103 @@ def test_inverse_jvp_is_the_reference_inverse_of_the_tangents():
         np.testing.assert_array_equal(rows(got), want)
 
 
-def test_functorch_backward_transforms_refuse_and_vmap_loops():
-    """As docs/torch.md says: torch.func's backward transforms refuse the C++
-    autograd Function with torch's message; vmap runs each batch entry."""
+def data_outputs(outputs):
+    """The outputs with gradients: the forward's tokens, scales and weights
+    (not its indices and counts); all three of the inverse's."""
+    return (outputs[0], outputs[1], outputs[4]) if len(outputs) == 5 else tuple(outputs)
+
+
+@pytest.mark.parametrize("k, spare", [(1, False), (4, True)], ids=["dense", "k = 4, spare rows"])
+def test_func_vjp_is_the_reference_reorder_of_the_cotangents(k, spare):
+    """torch.func's backward transforms take the ops' graph nodes: the vjp of
+    the forward is the reference inverse of the cotangents (the spare input
+    rows, never read, get zero), the vjp of the inverse the reference forward
+    (its tail input rows, never read, get zero)."""
+    tokens, counts, scales, weight = workload(40, seed=14, tokens_dtype=torch.float32)
+    if spare:  # 6 rows past the counts' sum
+        tokens, scales, weight = (torch.cat([t, t[:6]]) for t in (tokens, scales, weight))
+    attributes = dict(expert_alignment=k, allow_spare_rows=spare)
+    for op, expected_of in (
+            (moe_reroute.moe_re_routing, lambda c: reference.inverse(
+                *c[:1], counts.numpy(), *c[1:], expert_alignment=k)),
+            (moe_reroute.moe_re_routing_inverse, lambda c: operator.itemgetter(0, 1, 4)(
+                reference.reroute(c[0], counts.numpy(), *c[1:], expert_alignment=k)))):
+        inputs = (tokens, scales, weight)
+        outputs, vjp = torch.func.vjp(
+            lambda t, s, w: data_outputs(op(t, counts, per_token_scales=s, expert_topk_weight=w,
+                                            **attributes)), *inputs)
+        cotangents = tuple(torch.randn(o.shape) for o in outputs)
+        expected = expected_of([rows(c) for c in cotangents])
+        read = (int(counts.sum()) if op is moe_reroute.moe_re_routing
+                else reference.valid_rows(counts.numpy(), k))
+        for got, want, given in zip(vjp(cotangents), expected, inputs):
+            want[read:] = 0
+            assert got.shape == given.shape
+            np.testing.assert_array_equal(rows(got), want)
+        tokens = outputs[0].detach()  # the inverse's turn: its input is the forward's output
+        scales, weight = (torch.randn(o.shape) for o in outputs[1:])
+
+
+def test_func_jacrev_grad_and_per_sample_grad_follow_the_reference_permutation():
+    """jacrev of permute_tokens is the permutation the reference makes of the
+    identity; grad of a weighted sum is the reference inverse of the weights;
+    vmap(grad) gives each batch entry its own gradient."""
+    tokens, counts, _, _ = workload(12, seed=15, tokens_dtype=torch.float32, hidden=3)
+    # Row r of the reference forward of the identity is the one-hot of its source row.
+    permutation = torch.from_numpy(
+        reference.reroute(byte_rows(np.eye(12, dtype=np.float32)), counts.numpy())[0].copy()
+    ).view(torch.float32)
+    jacobian = torch.func.jacrev(lambda t: OPS.moe_re_routing(t, counts)[0])(tokens)
+    torch.testing.assert_close(jacobian, torch.einsum("ra,hk->rhak", permutation, torch.eye(3)),
+                               rtol=0, atol=0)
+
+    weights = torch.randn(12, 3)
+    gradient = torch.func.grad(lambda t: (OPS.moe_re_routing(t, counts)[0] * weights).sum())(tokens)
+    np.testing.assert_array_equal(rows(gradient), reference.inverse(rows(weights), counts.numpy())[0])
+
+    batch = torch.stack([tokens, -2 * tokens, tokens + 1])
+    per_sample = torch.vmap(torch.func.grad(
+        lambda t: OPS.moe_re_routing(t, counts)[0].pow(2).sum()))(batch)
+    torch.testing.assert_close(per_sample, 2 * batch, rtol=0, atol=0)
+
+
+def test_vmap_runs_each_batch_entry():
     tokens, counts, _, _ = workload(30, seed=13, tokens_dtype=torch.float32)
-    with pytest.raises(RuntimeError, match="cannot use C.. torch::autograd::Function with "
-                                           "functorch transforms"):
-        torch.func.grad(lambda t: OPS.moe_re_routing(t, counts)[0].sum())(tokens)
     batch = torch.stack([tokens, -tokens])
     batched = torch.vmap(lambda t: OPS.moe_re_routing(t, counts)[0])(batch)
     for entry, got in zip(batch, batched):
         np.testing.assert_array_equal(rows(got), reference.reroute(rows(entry),
                                                                    counts.numpy())[0])
+
+
+def test_backward_refuses_counts_changed_in_place_and_a_second_pass():
+    """The node saves the counts as torch saves a tensor: modified in place
+    after the call, or freed by a first backward, they are refused."""
+    tokens, counts, _, _ = workload(20, seed=16, tokens_dtype=torch.float32, requires_grad=True)
+    permuted = moe_reroute.moe_re_routing(tokens, counts)[0]
+    counts.add_(0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        permuted.sum().backward()
+    restored = moe_reroute.moe_re_routing_inverse(tokens, counts)[0]
+    restored.sum().backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        restored.sum().backward()
+
+
+def test_weight_gradient_with_integer_tokens():
+    """Integer tokens take no gradient, and their output none; the weights'
+    gradient is still the reference inverse of theirs, and the scales', whose
+    output the loss does not use, zero."""
+    _, counts, scales, weight = workload(30, seed=17, requires_grad=True)
+    tokens = torch.randint(-128, 128, (30, 8), dtype=torch.int8)
+    outputs = moe_reroute.moe_re_routing(tokens, counts, per_token_scales=scales,
+                                         expert_topk_weight=weight)
+    assert not outputs[0].requires_grad and outputs[4].grad_fn.name() == "MoeReRoutingBackward"
+    grad = torch.randn(outputs[4].shape)
+    outputs[4].backward(grad)
+    np.testing.assert_array_equal(
+        rows(weight.grad), reference.inverse(rows(tokens), counts.numpy(), None, rows(grad))[2])
+    assert scales.grad.shape == scales.shape and not scales.grad.any()
 
 
 def python_functions_called(call) -> list[str]:
@@ -588,6 +673,8 @@ def test_grad_call_records_the_graph_and_no_grad_call_none():
     tracked = moe_reroute.moe_re_routing(tokens, counts, per_token_scales=scales,
                                          expert_topk_weight=weight)
     assert not any(t.requires_grad for t in plain)
-    assert tracked[0].grad_fn is not None
+    assert tracked[0].grad_fn.name() == "MoeReRoutingBackward"
+    restored = moe_reroute.moe_re_routing_inverse(tracked[0], counts)
+    assert restored[0].grad_fn.name() == "MoeReRoutingInverseBackward"
     check_forward(plain, tokens, counts, scales, weight)
     check_forward(tracked, tokens, counts, scales, weight)
