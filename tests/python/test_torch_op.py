@@ -357,6 +357,24 @@ def test_aoti_package_runs_forward_and_inverse(tmp_path):
         check_routed(runner(*inputs), *inputs)
 
 
+def test_compiled_training_step_gradients_are_the_reference_inverse():
+    """AOTAutograd traces the backward through the graph nodes: a compiled
+    step (fullgraph) whose loss weighs each data output gives the gradients
+    the reference inverse gives the weights."""
+    torch._dynamo.reset()
+    tokens, counts, scales, weight = workload(50, seed=19, tokens_dtype=torch.float32,
+                                              requires_grad=True)
+    outputs = data_outputs(OPS.moe_re_routing(tokens, counts, scales, weight))
+    weights = [torch.randn(o.shape) for o in outputs]
+    step = torch.compile(lambda t, s, w: sum(
+        (o * g).sum() for o, g in zip(data_outputs(OPS.moe_re_routing(t, counts, s, w)), weights)),
+        fullgraph=True)
+    step(tokens, scales, weight).backward()
+    expected = reference.inverse(rows(weights[0]), counts.numpy(), *map(rows, weights[1:]))
+    for tensor, want in zip((tokens, scales, weight), expected):
+        np.testing.assert_array_equal(rows(tensor.grad), want)
+
+
 def test_decode_step_compiles_once_over_count_patterns():
     torch._dynamo.reset()
     num_tokens, num_ranks, num_experts = 64, 2, 4
