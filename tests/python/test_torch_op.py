@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
+import torch.utils.checkpoint
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import moe_reroute
@@ -636,6 +637,24 @@ def test_backward_refuses_counts_changed_in_place_and_a_second_pass():
     restored.sum().backward()
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         restored.sum().backward()
+
+
+@pytest.mark.parametrize("saving", ["checkpoint", "save_on_cpu"])
+def test_saved_tensor_hooks_keep_the_reference_gradient(saving):
+    """The node saves the counts as torch saves a tensor, so activation
+    checkpointing (recomputed at backward) and save_on_cpu (packed and
+    unpacked) give the reference inverse of the incoming gradient."""
+    tokens, counts, _, _ = workload(40, seed=18, tokens_dtype=torch.float32, requires_grad=True)
+    weights = torch.randn(tokens.shape)
+    step = lambda t: (OPS.moe_re_routing(t, counts)[0] * weights).sum()
+    if saving == "checkpoint":
+        loss = torch.utils.checkpoint.checkpoint(step, tokens, use_reentrant=False)
+    else:
+        with torch.autograd.graph.save_on_cpu():
+            loss = step(tokens)
+    loss.backward()
+    np.testing.assert_array_equal(rows(tokens.grad),
+                                  reference.inverse(rows(weights), counts.numpy())[0])
 
 
 def test_weight_gradient_with_integer_tokens():
