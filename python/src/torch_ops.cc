@@ -400,10 +400,10 @@ using torch::autograd::Node;
 using torch::autograd::variable_list;
 
 // How this torch owns graph nodes: std::shared_ptr (torch 2.9) or
-// c10::intrusive_ptr (later releases).
+// c10::intrusive_ptr (torch 2.15).
 using NodePtr = decltype(torch::autograd::Edge::function);
 
-// A new `T`, owned as NodePtr says: the one place that differs between them.
+// A new `T`, owned as NodePtr says: the one place where the two differ here.
 template <typename T, typename... Args>
 NodePtr make_node(Args&&... args) {
   if constexpr (std::is_base_of_v<c10::intrusive_ptr_target, T>) {
