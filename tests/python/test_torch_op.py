@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import io
 import operator
+import re
 import sys
 
 import numpy as np
@@ -144,6 +145,81 @@ def test_fake_compile_and_export_refuse_as_eager(label, changes, error, message)
     with pytest.raises(Exception) as caught:
         compiled(**tensors)
     assert f"{error.__name__}({str(eager)!r})" in str(caught.value)
+
+
+# Eager's refusals that read the counts' values (docs/spec.md section 4, rules 4 and 5).
+DATA_ERROR = re.compile(r"^expert_token_num_per_rank: (count\[.* is negative|counts sum to |counts overflow)")
+
+
+def random_arguments(rng):
+    """Inputs and attributes mostly well formed, each with a chance to be
+    wrong in dtype, rank, size or value, so that several rules meet."""
+    choose = lambda options: options[rng.integers(len(options))]  # noqa: E731
+    num_tokens = int(choose([0, 1, 3, 6]))
+    dtype = choose([torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8,
+                    torch.float8_e4m3fn, torch.float64])
+    tokens = torch.zeros(num_tokens, int(choose([2, 4, 6])), dtype=dtype)
+    if rng.random() < 0.1:
+        tokens = tokens[:, None]
+    num_ranks, num_experts = int(choose([1, 2])), int(choose([1, 2, 3]))
+    counts = torch.zeros(num_ranks, num_experts,
+                         dtype=choose([torch.int32, torch.int64, torch.int32, torch.float32]))
+    counts.view(-1)[rng.integers(counts.numel())] = num_tokens + int(rng.random() < 0.1)
+    if rng.random() < 0.1:
+        counts = counts.view(-1)
+
+    def optional(dtypes, shapes):
+        if rng.random() < 0.4:
+            return None
+        return torch.zeros(choose(shapes), dtype=choose(dtypes))
+
+    rows = [num_tokens] * 3 + [1, num_tokens + 1]
+    scales = optional([torch.float32, torch.float32, torch.uint8, torch.float16],
+                      [(choose(rows),), (choose(rows), 2), (choose(rows), 2, 2), ()])
+    weight = optional([torch.float32, torch.float32, torch.bfloat16],
+                      [(choose(rows),), (choose(rows), 1), (choose(rows), 2), (choose(rows), 1, 1)])
+    attributes = dict(tokens_dtype=choose([None] * 12 + ["hifloat8", "float8_e4m3fn", "bogus",
+                                                         "float4_e2m1", "bfloat16"]),
+                      expert_alignment=int(choose([1, 1, 1, 4, 0])),
+                      allow_spare_rows=bool(rng.random() < 0.3))
+    forward_attributes = dict(expert_token_num_type=int(choose([1, 1, 0, 2, -1])),
+                              idx_type=int(choose([0, 0, 1, 3])))
+    return (tokens, counts, scales, weight), attributes, forward_attributes
+
+
+def outcome(call):
+    """(exception type, message), or the outputs' (shape, dtype)s."""
+    try:
+        return [(tuple(o.shape), o.dtype) for o in call()]
+    except Exception as refused:  # noqa: BLE001 - compared between eager and fake
+        return type(refused), str(refused)
+
+
+@pytest.mark.parametrize("op", ["moe_re_routing", "moe_re_routing_inverse"])
+def test_fake_kernels_decide_as_eager_on_random_inputs(op):
+    """Over random inputs where several rules meet: the fake kernel refuses
+    with eager's exception and message, or gives eager's output specs; only
+    where eager refuses the counts' values does the fake kernel, which cannot
+    read them, give outputs."""
+    rng = np.random.default_rng(20)
+    seen = set()
+    for _ in range(300):
+        tensors, attributes, forward_attributes = random_arguments(rng)
+        if op == "moe_re_routing":
+            attributes |= forward_attributes
+        call = functools.partial(getattr(OPS, op), **attributes)
+        eager = outcome(lambda: call(*tensors))
+        with FakeTensorMode() as mode:
+            fake = outcome(lambda: call(*(None if t is None else mode.from_tensor(t)
+                                          for t in tensors)))
+        if isinstance(eager, tuple) and DATA_ERROR.match(eager[1]):
+            assert isinstance(fake, list), (eager, fake)
+        else:
+            assert fake == eager, (tensors, attributes)
+        seen.add(eager[1].split(":")[0] if isinstance(eager, tuple) else "outputs")
+    # The cases reach the outputs and the refusals of most arguments.
+    assert {"outputs", "tokens", "tokens_dtype", "expert_token_num_per_rank", "per_token_scales",
+            "expert_topk_weight", "expert_alignment"} <= seen, seen
 
 
 def dense_dtypes():
