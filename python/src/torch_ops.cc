@@ -536,8 +536,9 @@ void set_history(const NodePtr& node, const Tensor& output) {
   }
 }
 
-// Runs `call` below the autograd layer and, where an input requires grad,
-// makes a `Backward` node (edges to tokens, scales, weight) its outputs' grad_fn.
+// Runs `call(tokens, scales, weight)` below the autograd layer and, where an
+// input requires grad, makes a `Backward` node (edges to tokens, scales,
+// weight) its outputs' grad_fn.
 template <typename Backward, typename Call>
 auto recorded(const Tensor& tokens, const Tensor& counts, const OptionalTensor& scales,
               const OptionalTensor& weight, const OptionalName& tokens_dtype,
@@ -549,7 +550,7 @@ auto recorded(const Tensor& tokens, const Tensor& counts, const OptionalTensor& 
   }
   auto outputs = [&] {
     const at::AutoDispatchBelowADInplaceOrView guard;
-    return call();
+    return call(tokens, scales, weight);
   }();
   if (node) std::apply([&](const auto&... output) { (set_history(node, output), ...); }, outputs);
   return outputs;
@@ -612,7 +613,7 @@ Forward reroute_autograd(const Tensor& tokens, const Tensor& counts, const Optio
     return with_tangents<0, 1, 4>(tokens, scales, weight, call);
   }
   return recorded<RerouteBackward>(tokens, counts, scales, weight, tokens_dtype, expert_alignment,
-                                   allow_spare_rows, [&] { return call(tokens, scales, weight); });
+                                   allow_spare_rows, call);
 }
 
 Inverse inverse_autograd(const Tensor& tokens, const Tensor& counts, const OptionalTensor& scales,
@@ -625,7 +626,7 @@ Inverse inverse_autograd(const Tensor& tokens, const Tensor& counts, const Optio
     return with_tangents<0, 1, 2>(tokens, scales, weight, call);
   }
   return recorded<InverseBackward>(tokens, counts, scales, weight, tokens_dtype, expert_alignment,
-                                   allow_spare_rows, [&] { return call(tokens, scales, weight); });
+                                   allow_spare_rows, call);
 }
 
 c10::TypedOperatorHandle<decltype(reroute_out)> out_op() {
