@@ -5,7 +5,8 @@
 # module when nanobind and torch are there; the GTest suite when GTest and
 # CLI11 are), runs the benchmarks first (each verifies its outputs byte for
 # byte against the naive reference before timing), prints one table, then
-# runs what may fail (the GTest GPU suite, compute-sanitizer). Everything is
+# runs what may fail (the GTest GPU suite, compute-sanitizer, the torch
+# operators' GPU tests when pytest is there). Everything is
 # tee'd into OUT_DIR. A step that fails is reported and the next one runs.
 #
 # Usage: bench/gpu_check.sh [--dry-run] OUT_DIR
@@ -109,7 +110,9 @@ run build 240 cmake --build "$BUILD" -j"$JOBS" --target "${targets[@]}" || finis
 run ptxas 60 scripts/ptxas.sh "$ARCHS"
 
 # Our torch operator from this build, staged as a package beside its Python files.
+staged=0
 if ((${#python_flags[@]})) && ls "$BUILD"/python/_core*.so "$BUILD"/python/_torch_ops.so > /dev/null 2>&1; then
+  staged=1
   rm -rf "$out/python" && mkdir -p "$out/python" && cp -r python/moe_reroute "$out/python/"
   cp "$BUILD"/python/_core*.so "$BUILD"/python/_torch_ops.so "$out/python/moe_reroute/"
   export PYTHONPATH="$out/python${PYTHONPATH:+:$PYTHONPATH}"
@@ -180,5 +183,16 @@ if ((gtest)); then
   fi
 else
   results+=("gpu_test: skipped, GTest or CLI11 missing (the benchmark's verification stands)")
+fi
+# The torch operators' GPU tests (tests/python/test_cuda.py) on the staged module.
+if ((staged)) && python3 -c "import pytest, ml_dtypes" 2> /dev/null; then
+  if ((dry_run)); then
+    step "torch GPU tests"
+    echo "dry run: would run python3 -m pytest tests/python/test_cuda.py on the staged module"
+  else
+    run torch_gpu_test 150 python3 -m pytest tests/python/test_cuda.py -q -p no:cacheprovider
+  fi
+else
+  results+=("torch_gpu_test: skipped, no staged torch module, pytest or ml_dtypes")
 fi
 finish

@@ -67,6 +67,12 @@ MOE_REROUTE_CUDA_API void moe_re_routing_inverse(const InverseInputs& inputs,
                                                  const Attributes& attributes,
                                                  const DeviceContext& context);
 
+/// Whether `stream` (a cudaStream_t; nullptr is the legacy default stream) is
+/// being captured into a CUDA graph now, for callers that allocate or read
+/// device memory around a call (the torch operators' status word). Throws
+/// Error with ErrorCode::kBackend where CUDA cannot tell (no usable device).
+MOE_REROUTE_CUDA_API bool stream_is_capturing(void* stream);
+
 /// The message for a non-zero status word, naming the argument, e.g.
 /// "expert_token_num_per_rank: some count is negative"; "" for 0.
 MOE_REROUTE_CUDA_API std::string status_message(std::int32_t status);

@@ -165,6 +165,13 @@ void enqueue(detail::KernelParams& p, DType count_dtype, std::int64_t output_row
 
 }  // namespace
 
+bool stream_is_capturing(void* stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  check_cuda(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &status),
+             "cudaStreamIsCapturing");
+  return status != cudaStreamCaptureStatusNone;
+}
+
 void moe_re_routing(const RerouteInputs& inputs, const RerouteOutputs& outputs,
                     const Attributes& attributes, const DeviceContext& context) {
   const RerouteOutputSpecs specs = infer_reroute(inputs, attributes);

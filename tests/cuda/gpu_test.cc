@@ -543,6 +543,17 @@ void replay_test(cudaStream_t stream, bool static_shapes) {
   cudaGraphDestroy(graph);
 }
 
+TEST_F(CudaGpu, StreamIsCapturingOnlyBetweenBeginAndEndCapture) {
+  EXPECT_FALSE(stream_is_capturing(stream_));
+  check(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+  const bool during = stream_is_capturing(stream_);
+  cudaGraph_t graph = nullptr;
+  check(cudaStreamEndCapture(stream_, &graph));
+  cudaGraphDestroy(graph);
+  EXPECT_TRUE(during);
+  EXPECT_FALSE(stream_is_capturing(stream_));
+}
+
 TEST_F(CudaGpu, GraphReplayFollowsTheDeviceCounts) { replay_test(stream_, false); }
 
 TEST_F(CudaGpu, GraphReplayWithStaticShapesFollowsTheValidRows) { replay_test(stream_, true); }
@@ -611,6 +622,18 @@ TEST(CudaNoGpu, ThrowsInsteadOfLaunching) {
   } catch (const Error& error) {
     EXPECT_EQ(error.code(), ErrorCode::kBackend);
     EXPECT_EQ(std::string(error.what()).rfind("cuda: ", 0), 0u) << error.what();
+  }
+}
+
+TEST(CudaNoGpu, StreamIsCapturingThrowsInsteadOfGuessing) {
+  if (device_count() > 0) GTEST_SKIP() << "a CUDA device is present";
+  try {
+    stream_is_capturing(nullptr);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& error) {
+    EXPECT_EQ(error.code(), ErrorCode::kBackend);
+    EXPECT_EQ(std::string(error.what()).rfind("cuda: cudaStreamIsCapturing: ", 0), 0u)
+        << error.what();
   }
 }
 

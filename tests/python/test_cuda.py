@@ -191,6 +191,76 @@ def test_cuda_graph_capture_and_replay(status_check):
     moe_reroute.cuda_check()
 
 
+FIRST_CALL_UNDER_CAPTURE = """
+import sys
+sys.path.insert(0, {tests!r})
+import torch
+import moe_reroute
+from cases import check_torch_forward
+
+tokens = torch.arange(48, dtype=torch.float32).reshape(6, 8)
+counts = torch.tensor([[2, 1], [0, 3]], dtype=torch.int32)
+static = [tokens.cuda(), counts.cuda()]
+
+
+def capture():
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = moe_reroute.moe_re_routing(*static)
+    return graph, outputs
+
+
+try:
+    capture()
+except RuntimeError as error:
+    print("refused:", error)
+side = torch.cuda.Stream()
+with torch.cuda.stream(side):
+    moe_reroute.moe_re_routing(*static)  # the warm-up call
+torch.cuda.synchronize()
+graph, outputs = capture()
+graph.replay()
+torch.cuda.synchronize()
+check_torch_forward(outputs, tokens, counts, None, None)
+moe_reroute.cuda_check()
+print("replayed")
+"""
+
+
+@needs_gpu
+def test_cuda_first_call_under_capture_is_refused_and_a_warm_up_fixes_it():
+    """The first call on a device makes its status word, which a capture
+    cannot: refused before anything is captured; after a warm-up call the same
+    capture replays right. In a fresh process: the word lives per process."""
+    import pathlib
+    import subprocess
+    import sys
+    code = FIRST_CALL_UNDER_CAPTURE.format(tests=str(pathlib.Path(__file__).parent))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0] == ("refused: tokens: the first call on cuda:0 makes its status word, which "
+                        "cannot happen under CUDA graph capture; call the operator once on cuda:0 "
+                        "before capturing (a warm-up call)"), run.stdout
+    assert lines[-1] == "replayed"
+
+
+@needs_gpu
+def test_cuda_sync_mode_is_refused_under_capture(status_check):
+    tokens, _ = bad_counts_case()
+    counts = torch.tensor([[5, 7]], device="cuda")
+    moe_reroute.moe_re_routing(tokens, counts)  # the warm-up call
+    torch.cuda.synchronize()
+    status_check("sync")
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match='set_cuda_status_check: "sync" reads the status word '
+                                          "after every call, which cannot happen under CUDA "
+                                          'graph capture; capture in "deferred" mode'):
+        with torch.cuda.graph(graph):
+            moe_reroute.moe_re_routing(tokens, counts)
+    moe_reroute.cuda_check()
+
+
 @needs_gpu
 def test_cuda_backward_is_the_reference_inverse():
     generator = torch.Generator().manual_seed(5)
