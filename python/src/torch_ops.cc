@@ -274,6 +274,14 @@ void check_status(const Tensor& word) {
   fail(ErrorCode::kInvalidArgument, cuda::status_message(status));
 }
 
+void* current_stream(const c10::Device& device) {
+  void* stream = nullptr;
+  if (aoti_torch_get_current_cuda_stream(device.index(), &stream) != AOTI_TORCH_SUCCESS) {
+    fail(ErrorCode::kBackend, "tokens: cannot get the current CUDA stream of " + device.str());
+  }
+  return stream;
+}
+
 // Runs `launch(context)` on the current stream of `call`'s device with a
 // workspace from the caching allocator (graph-capturable: no host sync).
 // Under capture, what capture cannot do (make the status word, sync mode's
@@ -283,10 +291,7 @@ void run_cuda(const Call& call, Launch launch) {
   const c10::DeviceGuard guard(call.device);
   const std::size_t bytes = cuda::required_workspace_bytes(dim_or_zero(call.counts, 0),
                                                            dim_or_zero(call.counts, 1));
-  void* stream = nullptr;
-  if (aoti_torch_get_current_cuda_stream(call.device.index(), &stream) != AOTI_TORCH_SUCCESS) {
-    fail(ErrorCode::kBackend, "tokens: cannot get the current CUDA stream of " + call.device.str());
-  }
+  void* const stream = current_stream(call.device);
   const bool sync = sync_mode.load(std::memory_order_relaxed);
   const bool capturing = cuda::stream_is_capturing(stream);
   if (capturing && sync) {
@@ -720,6 +725,13 @@ void cuda_check() {
     {
       std::lock_guard<std::mutex> lock(status_mutex);
       words = status_words;
+    }
+    for (const Tensor& word : words) {
+      if (word.defined() && cuda::stream_is_capturing(current_stream(word.device()))) {
+        fail(ErrorCode::kBackend,
+             "cuda_check: reads the status words (a host sync), which cannot happen under CUDA "
+             "graph capture; call it after the capture");
+      }
     }
     for (const Tensor& word : words) {
       if (word.defined()) check_status(word);

@@ -262,6 +262,21 @@ def test_cuda_sync_mode_is_refused_under_capture(status_check):
 
 
 @needs_gpu
+def test_cuda_check_is_refused_under_capture(status_check):
+    status_check("deferred")
+    tokens, _ = bad_counts_case()
+    moe_reroute.moe_re_routing(tokens, torch.tensor([[5, 7]], device="cuda"))  # the warm-up call
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="cuda_check: reads the status words [(]a host sync[)], "
+                                           "which cannot happen under CUDA graph capture; call "
+                                           "it after the capture"):
+        with torch.cuda.graph(graph):
+            moe_reroute.cuda_check()
+    moe_reroute.cuda_check()
+
+
+@needs_gpu
 def test_cuda_backward_is_the_reference_inverse():
     generator = torch.Generator().manual_seed(5)
     counts = torch.tensor([[3, 0, 2], [1, 4, 0]], dtype=torch.int32)
