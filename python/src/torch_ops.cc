@@ -247,15 +247,15 @@ std::int64_t dim_or_zero(const Tensor& tensor, std::int64_t d) {
 std::mutex status_mutex;
 std::vector<Tensor> status_words;
 
-// The word of `device`, made by its first call. Under capture that call is
-// refused: the word would come from the graph's memory pool and be zeroed only
-// when the graph first replays.
-Tensor status_word(const c10::Device& device, bool capturing) {
+// The word of `device`, made by its first call. That call is refused where
+// `stream` is capturing: the word would come from the graph's memory pool and
+// be zeroed only when the graph first replays.
+Tensor status_word(const c10::Device& device, void* stream) {
   std::lock_guard<std::mutex> lock(status_mutex);
   const auto index = static_cast<std::size_t>(device.index());
   if (status_words.size() <= index) status_words.resize(index + 1);
   if (!status_words[index].defined()) {
-    if (capturing) {
+    if (cuda::stream_is_capturing(stream)) {
       fail(ErrorCode::kBackend,
            "tokens: the first call on " + device.str() +
                " makes its status word, which cannot happen under CUDA graph capture; call "
@@ -285,21 +285,21 @@ void* current_stream(const c10::Device& device) {
 // Runs `launch(context)` on the current stream of `call`'s device with a
 // workspace from the caching allocator (graph-capturable: no host sync).
 // Under capture, what capture cannot do (make the status word, sync mode's
-// read) is refused before anything is launched.
+// read) is refused before anything is launched; the capture status is asked
+// only then, not on every deferred call.
 template <typename Launch>
 void run_cuda(const Call& call, Launch launch) {
   const c10::DeviceGuard guard(call.device);
   const std::size_t bytes = cuda::required_workspace_bytes(dim_or_zero(call.counts, 0),
                                                            dim_or_zero(call.counts, 1));
   void* const stream = current_stream(call.device);
+  const Tensor word = status_word(call.device, stream);
   const bool sync = sync_mode.load(std::memory_order_relaxed);
-  const bool capturing = cuda::stream_is_capturing(stream);
-  if (capturing && sync) {
+  if (sync && cuda::stream_is_capturing(stream)) {
     fail(ErrorCode::kBackend,
          "set_cuda_status_check: \"sync\" reads the status word after every call, which "
          "cannot happen under CUDA graph capture; capture in \"deferred\" mode");
   }
-  const Tensor word = status_word(call.device, capturing);
   const Tensor workspace = at::empty({static_cast<std::int64_t>(bytes)},
                                      at::TensorOptions().dtype(c10::kByte).device(call.device));
   launch(cuda::DeviceContext{stream, word.data_ptr<std::int32_t>(), workspace.data_ptr(), bytes});
