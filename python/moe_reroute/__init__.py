@@ -24,8 +24,9 @@ if (importlib.util.find_spec("torch") is not None
 else:
     _torch = None
 
-__all__ = ["__version__", "cuda_check", "dtype_table", "moe_re_routing",
-           "moe_re_routing_inverse", "set_cuda_status_check"]
+__all__ = ["__version__", "cpu_output_cache_bytes", "cuda_check", "dtype_table",
+           "moe_re_routing", "moe_re_routing_inverse", "set_cpu_output_cache_limit",
+           "set_cuda_status_check"]
 
 
 def dtype_table() -> list[dict]:
@@ -54,6 +55,19 @@ def cuda_check() -> None:
     and raises ValueError naming the argument if any call since the last check
     had bad counts (negative, or not summing as the contract says)."""
     _ops().cuda_check()
+
+
+def set_cpu_output_cache_limit(limit_bytes: int) -> int:
+    """Sets the most bytes of freed torch CPU outputs (those of 4 MiB and
+    more) kept mapped for the next output of the same size, unmapping the
+    oldest above it, and returns the previous limit (default 1 GiB; 0 keeps
+    none and empties the cache)."""
+    return _ops().set_cpu_output_cache_limit(limit_bytes)
+
+
+def cpu_output_cache_bytes() -> int:
+    """The bytes of freed torch CPU outputs the cache keeps now."""
+    return _ops().cpu_output_cache_bytes()
 
 
 def _is_torch(array) -> bool:

@@ -1,17 +1,18 @@
 // The torch operators moe_reroute::moe_re_routing, moe_re_routing_out and
 // moe_re_routing_inverse: schemas, one kernel per op for CPU and CUDA tensors
-// that calls the core directly, the autograd kernels, and the per-device CUDA
-// status word. The fake kernels are Python (moe_reroute/_torch.py) calling the
+// that calls the core directly, the autograd kernels, the per-device CUDA
+// status word and the limit of the CPU output cache (output_cache.h). The fake kernels are Python (moe_reroute/_torch.py) calling the
 // core's infer_reroute / infer_inverse. Why the regular (not the stable) C++
 // API: docs/torch.md.
 
+#include <ATen/Context.h>
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/DeviceGuard.h>
-#include <sys/mman.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
@@ -29,6 +30,7 @@
 #include <vector>
 
 #include "adapter.h"
+#include "output_cache.h"
 #include "moe_reroute/moe_reroute.h"
 #if MOE_REROUTE_HAS_CUDA
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
@@ -145,22 +147,26 @@ TensorView view(const Tensor& tensor, const char* arg, const std::optional<std::
                             logical, logical_arg);
 }
 
-// NumPy's rule for fresh memory: arrays of 4 MiB and more get transparent huge
-// pages (madvise mode), so that first touch faults 2 MiB at a time. Advice only.
-void advise_huge_pages(const Tensor& tensor) {
-  constexpr std::uintptr_t kHugePage = std::uintptr_t{2} << 20;
-  const auto nbytes = static_cast<std::uintptr_t>(tensor.nbytes());
-  if (nbytes < 2 * kHugePage) return;
-  const auto start = reinterpret_cast<std::uintptr_t>(tensor.data_ptr());
-  const std::uintptr_t begin = (start + kHugePage - 1) & ~(kHugePage - 1);
-  const std::uintptr_t end = (start + nbytes) & ~(kHugePage - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-}
-
+// A fresh output. On the CPU it comes from output_cache.h's allocator, except
+// where torch is asked to fill fresh memory (deterministic algorithms with
+// fill_uninitialized_memory), which at::empty does.
 Tensor empty(c10::IntArrayRef dims, c10::ScalarType type, const c10::Device& device) {
-  Tensor tensor = at::empty(dims, at::TensorOptions().dtype(type).device(device));
-  if (device.is_cpu()) advise_huge_pages(tensor);
-  return tensor;
+  const at::Context& context = at::globalContext();
+  if (!device.is_cpu() ||
+      (context.deterministicAlgorithms() && context.deterministicFillUninitializedMemory())) {
+    return at::empty(dims, at::TensorOptions().dtype(type).device(device));
+  }
+  c10::Allocator* const allocator = output_allocator();
+  c10::DataPtr memory = allocator->allocate(static_cast<std::size_t>(c10::multiply_integers(dims)) *
+                                            c10::elementSize(type));
+  void* const data = memory.get();
+  const c10::DeleterFnPtr deleter = memory.get_deleter();
+  return at::for_blob(data, dims)
+      .context(memory.release_context(), deleter)
+      .options(at::TensorOptions().dtype(type))
+      .allocator(allocator)  // a storage that grows (resize_) takes its memory here too
+      .resizeable_storage()
+      .make_tensor();
 }
 
 // An output with `spec`'s rows stored like `input`, or, without an input, with
@@ -751,6 +757,23 @@ std::string set_cuda_status_check(c10::string_view mode) {
   });
 }
 
+// ---- the CPU output cache from Python ----
+
+/// Sets the most bytes of freed CPU outputs kept for reuse and returns the
+/// previous limit.
+std::int64_t set_cpu_output_cache_limit(std::int64_t limit_bytes) {
+  return translated([&] {
+    if (limit_bytes < 0) {
+      fail(ErrorCode::kInvalidArgument,
+           "limit_bytes: must be >= 0 (0 keeps none), got " + std::to_string(limit_bytes));
+    }
+    return set_output_cache_limit(limit_bytes);
+  });
+}
+
+/// The bytes of freed CPU outputs kept for reuse now.
+std::int64_t cpu_output_cache_bytes() { return output_cache_bytes(); }
+
 constexpr const char* kAttributes =
     "Tensor? per_token_scales=None, Tensor? expert_topk_weight=None, "
     "int expert_token_num_type=1, int idx_type=0, str? tokens_dtype=None, "
@@ -787,6 +810,8 @@ TORCH_LIBRARY(moe_reroute, m) {
       tags);
   m.def("cuda_check() -> ()", &ops::cuda_check);
   m.def("set_cuda_status_check(str mode) -> str", &ops::set_cuda_status_check);
+  m.def("set_cpu_output_cache_limit(int limit_bytes) -> int", &ops::set_cpu_output_cache_limit);
+  m.def("cpu_output_cache_bytes() -> int", &ops::cpu_output_cache_bytes);
 }
 
 TORCH_LIBRARY_IMPL(moe_reroute, CPU, m) {

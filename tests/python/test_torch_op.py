@@ -9,7 +9,9 @@ import functools
 import io
 import operator
 import re
+import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -791,3 +793,168 @@ def test_grad_call_records_the_graph_and_no_grad_call_none():
     assert restored[0].grad_fn.name() == "MoeReRoutingInverseBackward"
     check_forward(plain, tokens, counts, scales, weight)
     check_forward(tracked, tokens, counts, scales, weight)
+
+
+# ---- the CPU output cache ----
+
+MIB = 1 << 20
+# bf16 tokens of 3001 x 1499: 9.0 MB, cached (4 MiB and more) in a block of 10 MiB.
+CACHED_TOKENS, CACHED_HIDDEN, CACHED_BLOCK = 3001, 1499, 10 * MIB
+
+
+@pytest.fixture
+def output_cache():
+    """The cache emptied, at its default limit, before and after the test."""
+    default = moe_reroute.set_cpu_output_cache_limit(0)
+    moe_reroute.set_cpu_output_cache_limit(default)
+    yield default
+    moe_reroute.set_cpu_output_cache_limit(0)
+    moe_reroute.set_cpu_output_cache_limit(default)
+
+
+def cached_workload(seed):
+    return workload(CACHED_TOKENS, seed=seed, tokens_dtype=torch.bfloat16, hidden=CACHED_HIDDEN)
+
+
+def poison_and_free(outputs):
+    """Every byte of `outputs` POISON, then the outputs freed; their data pointers."""
+    pointers = [output.data_ptr() for output in outputs]
+    for output in outputs:
+        output.view(torch.uint8).fill_(reference.POISON)
+    outputs.clear()
+    return pointers
+
+
+def test_a_freed_large_output_is_reused_and_rewritten_in_full(output_cache):
+    assert output_cache == 1 << 30  # the documented default
+    tokens, counts, scales, weight = cached_workload(seed=31)
+    kwargs = dict(per_token_scales=scales, expert_topk_weight=weight)
+    first = list(moe_reroute.moe_re_routing(tokens, counts, **kwargs))
+    assert first[0].data_ptr() % (2 * MIB) == 0  # whole huge pages
+    pointers = poison_and_free(first)
+    # Only the tokens output is large; the four small ones go back to torch.
+    assert moe_reroute.cpu_output_cache_bytes() == CACHED_BLOCK
+    second = moe_reroute.moe_re_routing(tokens, counts, **kwargs)
+    assert second[0].data_ptr() == pointers[0]
+    assert moe_reroute.cpu_output_cache_bytes() == 0
+    check_forward(second, tokens, counts, scales, weight)
+
+    # The inverse takes the same block back, poisoned, and rewrites it.
+    permuted = dict(per_token_scales=second[1], expert_topk_weight=second[4])
+    restored_pointers = poison_and_free(list(moe_reroute.moe_re_routing_inverse(
+        second[0], counts, **permuted)))
+    restored = moe_reroute.moe_re_routing_inverse(second[0], counts, **permuted)
+    assert restored[0].data_ptr() == restored_pointers[0]
+    check_inverse(restored, second[0], counts, second[1], second[4])
+
+
+def test_the_limit_bounds_what_the_cache_keeps(output_cache):
+    tokens, counts, _, _ = cached_workload(seed=32)
+    assert moe_reroute.set_cpu_output_cache_limit(CACHED_BLOCK) == output_cache
+    # Two outputs freed under room for one: the second is unmapped.
+    outputs = [moe_reroute.moe_re_routing(tokens, counts)[0] for _ in range(2)]
+    outputs.clear()
+    assert moe_reroute.cpu_output_cache_bytes() == CACHED_BLOCK
+    # A lower limit unmaps what is above it at once; 0 keeps nothing.
+    assert moe_reroute.set_cpu_output_cache_limit(CACHED_BLOCK - 1) == CACHED_BLOCK
+    assert moe_reroute.cpu_output_cache_bytes() == 0
+    moe_reroute.set_cpu_output_cache_limit(0)
+    del outputs
+    outputs = moe_reroute.moe_re_routing(tokens, counts)
+    check_forward(outputs, tokens, counts, None, None)
+    del outputs
+    assert moe_reroute.cpu_output_cache_bytes() == 0
+
+
+def test_small_outputs_are_not_cached(output_cache):
+    # 256 x 7168 bf16 (decode): 3.7 MB, under 4 MiB.
+    tokens, counts, scales, weight = workload(256, seed=33, tokens_dtype=torch.bfloat16,
+                                              hidden=7168)
+    outputs = moe_reroute.moe_re_routing(tokens, counts, per_token_scales=scales,
+                                         expert_topk_weight=weight)
+    check_forward(outputs, tokens, counts, scales, weight)
+    del outputs
+    assert moe_reroute.cpu_output_cache_bytes() == 0
+
+
+def test_a_negative_limit_is_refused_and_changes_nothing(output_cache):
+    with pytest.raises(ValueError, match=re.escape(
+            "limit_bytes: must be >= 0 (0 keeps none), got -1")):
+        moe_reroute.set_cpu_output_cache_limit(-1)
+    assert moe_reroute.set_cpu_output_cache_limit(output_cache) == output_cache
+
+
+def test_a_cached_output_is_an_ordinary_tensor(output_cache):
+    tokens, counts, _, _ = cached_workload(seed=34)
+    permuted = moe_reroute.moe_re_routing(tokens, counts)[0]
+    expected = permuted.clone()
+    # Its storage grows (a new block) and keeps its bytes; it saves and loads.
+    permuted.resize_(CACHED_TOKENS + 1000, CACHED_HIDDEN)
+    assert torch.equal(permuted[:CACHED_TOKENS], expected)
+    buffer = io.BytesIO()
+    torch.save(permuted[:CACHED_TOKENS].clone(), buffer)
+    buffer.seek(0)
+    assert torch.equal(torch.load(buffer), expected)
+    del permuted
+    # The first block, then the grown one: 4001 x 1499 bf16, 12.0 MB in 12 MiB.
+    assert moe_reroute.cpu_output_cache_bytes() == CACHED_BLOCK + 12 * MIB
+
+
+def test_deterministic_fill_fills_unwritten_rows_as_torch_empty(output_cache):
+    # Spare rows of the inverse are not written: torch's deterministic mode
+    # fills fresh memory (NaN for floats), and so does the operator then.
+    tokens = torch.randn(CACHED_TOKENS, CACHED_HIDDEN)
+    counts = torch.tensor([[1000, 500]], dtype=torch.int32)
+    assert torch.are_deterministic_algorithms_enabled() is False
+    torch.use_deterministic_algorithms(True)
+    try:
+        restored = moe_reroute.moe_re_routing_inverse(tokens, counts, allow_spare_rows=True)[0]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.isnan(restored[1500:]).all()
+    np.testing.assert_array_equal(rows(restored[:1500]), reference.inverse(
+        rows(tokens), counts.numpy(), allow_spare_rows=True)[0][:1500])
+
+
+def test_threads_share_the_cache(output_cache):
+    inputs = [cached_workload(seed=40 + i) for i in range(4)]
+    errors = []
+
+    def calls(tokens, counts, scales, weight):
+        try:
+            for _ in range(6):
+                outputs = moe_reroute.moe_re_routing(tokens, counts, per_token_scales=scales,
+                                                     expert_topk_weight=weight)
+                check_forward(outputs, tokens, counts, scales, weight)
+                outputs[0].view(torch.uint8).fill_(reference.POISON)
+        except Exception as error:  # noqa: BLE001 - reported by the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=calls, args=args) for args in inputs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    # Each thread holds at most two outputs at a time (the last one during its next call).
+    assert 0 < moe_reroute.cpu_output_cache_bytes() <= 8 * CACHED_BLOCK
+
+
+def test_an_output_that_cannot_be_mapped_raises_out_of_memory():
+    # In a child whose address space is capped just above what it maps now.
+    code = """
+import resource, torch, moe_reroute
+tokens = torch.zeros(1 << 16, 4096, dtype=torch.int8)  # 256 MiB
+counts = torch.tensor([[1 << 16]], dtype=torch.int32)
+with open("/proc/self/statm") as statm:
+    mapped = int(statm.read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (mapped + (64 << 20), resource.RLIM_INFINITY))
+try:
+    moe_reroute.moe_re_routing(tokens, counts)
+except torch.OutOfMemoryError as error:
+    print(error)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "moe_reroute: cannot map 268435456 bytes for a CPU output\n"
