@@ -48,6 +48,8 @@ void unmap(const std::vector<Block>& blocks) {
   for (const Block& block : blocks) munmap(block.base, block.bytes);
 }
 
+// Maps outputs of kCachedFrom bytes and more, and keeps them when freed, up
+// to `limit_` bytes; smaller ones are torch's.
 class OutputAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(std::size_t n) override {
@@ -69,12 +71,10 @@ class OutputAllocator final : public c10::Allocator {
       const std::lock_guard<std::mutex> lock(mutex_);
       previous = limit_;
       limit_ = limit;
-      std::size_t kept = 0;
-      while (cached_bytes_ > limit_) {
-        evicted.push_back(cached_[kept]);
-        cached_bytes_ -= cached_[kept++].bytes;
-      }
-      cached_.erase(cached_.begin(), cached_.begin() + static_cast<std::ptrdiff_t>(kept));
+      auto kept = cached_.begin();  // the oldest block that stays
+      for (; cached_bytes_ > limit_; ++kept) cached_bytes_ -= kept->bytes;
+      evicted.assign(cached_.begin(), kept);
+      cached_.erase(cached_.begin(), kept);
     }
     unmap(evicted);  // outside the lock: unmapping a prefill output takes milliseconds
     return static_cast<std::int64_t>(previous);

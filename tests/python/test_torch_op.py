@@ -6,6 +6,7 @@ checked against the naive reference."""
 from __future__ import annotations
 
 import functools
+import gc
 import io
 import operator
 import re
@@ -804,7 +805,9 @@ CACHED_TOKENS, CACHED_HIDDEN, CACHED_BLOCK = 3001, 1499, 10 * MIB
 
 @pytest.fixture
 def output_cache():
-    """The cache emptied, at its default limit, before and after the test."""
+    """The cache emptied, at its default limit, before and after the test
+    (after a collection, so that no earlier test's output comes back during it)."""
+    gc.collect()
     default = moe_reroute.set_cpu_output_cache_limit(0)
     moe_reroute.set_cpu_output_cache_limit(default)
     yield default
