@@ -7,6 +7,7 @@
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
+#include <pthread.h>
 #include <sys/mman.h>
 
 #include <cstddef>
@@ -80,6 +81,9 @@ class OutputAllocator final : public c10::Allocator {
     return static_cast<std::int64_t>(previous);
   }
 
+  void lock() { mutex_.lock(); }
+  void unlock() { mutex_.unlock(); }
+
   std::int64_t cached_bytes() {
     const std::lock_guard<std::mutex> lock(mutex_);
     return static_cast<std::int64_t>(cached_bytes_);
@@ -121,9 +125,16 @@ class OutputAllocator final : public c10::Allocator {
   std::size_t limit_ = std::size_t{1} << 30;
 };
 
-// Never destroyed: tensors freed during the process's exit still come back here.
+// Never destroyed: tensors freed during the process's exit still come back
+// here. Its lock is held across fork(), so that a child never inherits it
+// held by a thread the child does not have.
 OutputAllocator& the_allocator() {
-  static OutputAllocator* const allocator = new OutputAllocator;
+  static OutputAllocator* const allocator = [] {
+    auto* const made = new OutputAllocator;
+    pthread_atfork([] { the_allocator().lock(); }, [] { the_allocator().unlock(); },
+                   [] { the_allocator().unlock(); });
+    return made;
+  }();
   return *allocator;
 }
 

@@ -9,6 +9,7 @@ import functools
 import gc
 import io
 import operator
+import os
 import re
 import subprocess
 import sys
@@ -941,6 +942,29 @@ def test_threads_share_the_cache(output_cache):
     assert errors == []
     # Each thread holds at most two outputs at a time (the last one during its next call).
     assert 0 < moe_reroute.cpu_output_cache_bytes() <= 8 * CACHED_BLOCK
+
+
+def test_a_forked_child_frees_and_takes_cached_outputs(output_cache):
+    tokens, counts, _, _ = cached_workload(seed=35)
+    kept = moe_reroute.moe_re_routing(tokens, counts)[0]
+    moe_reroute.moe_re_routing(tokens, counts)
+    assert moe_reroute.cpu_output_cache_bytes() == CACHED_BLOCK
+    pid = os.fork()
+    if pid == 0:  # the child: one thread, as in DataLoader workers (docs/torch.md)
+        status = 1
+        try:
+            torch.set_num_threads(1)
+            del kept
+            outputs = moe_reroute.moe_re_routing(tokens, counts)
+            check_forward(outputs, tokens, counts, None, None)
+            status = 0 if moe_reroute.cpu_output_cache_bytes() == CACHED_BLOCK else 2
+        finally:
+            os._exit(status)
+    _, wait_status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(wait_status) == 0
+    # The parent's cache and outputs are its own.
+    assert moe_reroute.cpu_output_cache_bytes() == CACHED_BLOCK
+    assert torch.equal(kept, moe_reroute.moe_re_routing(tokens, counts)[0])
 
 
 def test_an_output_that_cannot_be_mapped_raises_out_of_memory():
