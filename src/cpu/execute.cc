@@ -3,8 +3,10 @@
 // dtype dispatch: rows are bytes.
 
 #include <omp.h>
+#include <pthread.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -45,6 +47,11 @@ struct RowStream {
 
 void* data_of(const std::optional<TensorView>& view) { return view ? view->data : nullptr; }
 
+// Whether this process is a fork() child of one that had run a parallel
+// region: GNU OpenMP's next region hangs there (the team's threads were not
+// forked), so such a child runs every slice on its one thread.
+std::atomic<bool> forked_after_parallel{false};
+
 // Runs `body(chunk)` over every chunk of the plan, one planned slice per thread.
 template <typename Body>
 void for_each_chunk(const Plan& plan, const Body& body) {
@@ -59,10 +66,13 @@ void for_each_chunk(const Plan& plan, const Body& body) {
   };
   // One thread runs here: libgomp's region costs a futex syscall even for a
   // team of one (an `if` clause keeps the region).
-  if (num_threads == 1) {
-    slice(0);
+  if (num_threads == 1 || forked_after_parallel.load(std::memory_order_relaxed)) {
+    for (int t = 0; t < num_threads; ++t) slice(t);
     return;
   }
+  // Registered by the first region: a child forked before it can use OpenMP.
+  [[maybe_unused]] static const int registered =
+      pthread_atfork(nullptr, nullptr, [] { forked_after_parallel.store(true); });
 #pragma omp parallel for num_threads(num_threads) schedule(static, 1)
   for (int t = 0; t < num_threads; ++t) slice(t);
 }

@@ -3,6 +3,8 @@
 // threads.
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <tuple>
@@ -187,6 +189,29 @@ TEST(OneShotCalls, CarryNothingFromTheCallBefore) {
       EXPECT_EQ(difference(direction, c, threads), "");
     }
   }
+}
+
+// GNU OpenMP hangs in a child forked after a parallel region; the operator
+// runs a forked child's calls on its one thread. The child gets 30 s (SIGALRM)
+// and reports by its exit status.
+TEST(ForkedChild, RunsOnItsOneThreadInsteadOfHanging) {
+  Case c = random_case(DType::kBFloat16, ScaleForm::kFloat32A, 11);
+  c.config.num_tokens = 2048;
+  c.config.hidden = 1024;
+  ASSERT_EQ(difference(Direction::kForward, c, 4), "");  // the parent's team exists now
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    alarm(30);
+    const bool same = difference(Direction::kForward, c, 4).empty() &&
+                      difference(Direction::kInverse, c, 4).empty();
+    _exit(same ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << "the child was killed by signal " << WTERMSIG(status);
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the child's bytes differ from the reference";
+  EXPECT_EQ(difference(Direction::kForward, c, 4), "");  // the parent still runs its team
 }
 
 }  // namespace

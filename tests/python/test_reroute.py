@@ -4,7 +4,9 @@ A = 0, through NumPy, moe_reroute's torch entry and torch.ops directly."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 
 import numpy as np
 import pytest
@@ -284,3 +286,27 @@ def test_misaligned_counts_index_and_expert_token_num(framework, count_dtype):
     check_forward(framework, out, tokens, counts, None, None, {})
     restored = moe_reroute.moe_re_routing_inverse(result[0], misaligned(framework, counts))
     np.testing.assert_array_equal(byte_rows(restored[0]), byte_rows(tokens))
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+def test_a_forked_child_runs_the_operator_instead_of_hanging(framework):
+    # GNU OpenMP hangs in a child forked after a parallel region; the operator
+    # runs such a child's calls on its one thread. The child gets 30 s.
+    rng = np.random.default_rng(12)
+    counts = reference.random_counts(rng, 4096)
+    tokens = rng.random((4096, 512), dtype=np.float32)
+    if framework == "torch":
+        tokens, counts = torch.from_numpy(tokens), torch.from_numpy(counts)
+    expected = moe_reroute.moe_re_routing(tokens, counts)  # two threads: the team exists
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            signal.alarm(30)
+            result = moe_reroute.moe_re_routing(tokens, counts)
+            status = 0 if all(np.array_equal(byte_rows(a), byte_rows(b))
+                              for a, b in zip(result, expected)) else 2
+        finally:
+            os._exit(status)
+    _, wait_status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(wait_status) == 0
