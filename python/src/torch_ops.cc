@@ -1,9 +1,10 @@
 // The torch operators moe_reroute::moe_re_routing, moe_re_routing_out and
 // moe_re_routing_inverse: schemas, one kernel per op for CPU and CUDA tensors
 // that calls the core directly, the autograd kernels, the per-device CUDA
-// status word and the limit of the CPU output cache (output_cache.h). The fake kernels are Python (moe_reroute/_torch.py) calling the
-// core's infer_reroute / infer_inverse. Why the regular (not the stable) C++
-// API: docs/torch.md.
+// status word and the limit of the CPU output cache (output_cache.h). The
+// fake kernels are Python (moe_reroute/_torch.py) calling the core's
+// infer_reroute / infer_inverse. Why the regular (not the stable) C++ API:
+// docs/torch.md.
 
 #include <ATen/Context.h>
 #include <ATen/DeviceAccelerator.h>
