@@ -5,32 +5,23 @@
 namespace moe_reroute::adapter {
 namespace {
 
-// The table row a framework names `storage` by (its docs/spec.md or torch name).
-std::optional<DType> native_dtype(Storage storage) {
-  for (const DTypeInfo& info : dtype_table()) {
-    if (info.name == storage.name || (!info.torch_name.empty() && info.torch_name == storage.name))
-      return info.dtype;
-  }
-  return std::nullopt;
-}
-
 // The logical dims of `dims` stored as `storage_bits`-wide elements of `bits`
 // each (a byte holding two FP4 elements doubles the last dim).
-std::vector<std::int64_t> logical_dims(std::span<const std::int64_t> dims, int storage_bits,
-                                       int bits, const char* arg) {
+Shape logical_dims(std::span<const std::int64_t> dims, int storage_bits, int bits,
+                   const char* arg) {
   if (dims.size() > static_cast<std::size_t>(kMaxDims)) {
     fail(ErrorCode::kInvalidArgument, std::string(arg) + ": " + std::to_string(dims.size()) +
                                           "-D, at most " + std::to_string(kMaxDims) +
                                           " dims are supported");
   }
-  std::vector<std::int64_t> logical(dims.begin(), dims.end());
-  if (storage_bits == 2 * bits && !logical.empty()) {
-    if (logical.back() > std::numeric_limits<std::int64_t>::max() / 2) {
-      fail(ErrorCode::kOutOfRange, std::string(arg) + ": last dim " +
-                                       std::to_string(logical.back()) +
+  Shape logical(dims);
+  if (storage_bits == 2 * bits && logical.ndim > 0) {
+    std::int64_t& last = logical.dims[static_cast<std::size_t>(logical.ndim - 1)];
+    if (last > std::numeric_limits<std::int64_t>::max() / 2) {
+      fail(ErrorCode::kOutOfRange, std::string(arg) + ": last dim " + std::to_string(last) +
                                        " overflows int64 when read as two FP4 elements a byte");
     }
-    logical.back() *= 2;
+    last *= 2;
   }
   return logical;
 }
@@ -38,6 +29,15 @@ std::vector<std::int64_t> logical_dims(std::span<const std::int64_t> dims, int s
 }  // namespace
 
 void fail(ErrorCode code, const std::string& message) { throw Error(code, message); }
+
+std::optional<DType> table_dtype(std::string_view name) {
+  for (const DTypeInfo& info : dtype_table()) {
+    if (info.name == name || (!info.torch_name.empty() && info.torch_name == name)) {
+      return info.dtype;
+    }
+  }
+  return std::nullopt;
+}
 
 void fail_none(std::string_view arg) {
   fail(ErrorCode::kUnsupported, std::string(arg) + ": must be given, got None");
@@ -58,14 +58,13 @@ void fail_device(std::string_view arg, std::string_view tokens_device) {
 TensorView core_view(const void* data, Storage storage, std::span<const std::int64_t> dims,
                      const char* arg, const std::optional<std::string>& logical,
                      const char* logical_arg) {
-  const std::optional<DType> native = native_dtype(storage);
   if (!logical) {
-    if (!native) {
+    if (!storage.dtype) {
       fail(ErrorCode::kUnsupported,
            std::string(arg) + ": dtype " + std::string(storage.name) + " is not supported");
     }
-    const int bits = dtype_info(*native).bits;
-    return TensorView(data, *native, Shape(logical_dims(dims, storage.bits, bits, arg)));
+    const int bits = dtype_info(*storage.dtype).bits;
+    return TensorView(data, *storage.dtype, logical_dims(dims, storage.bits, bits, arg));
   }
   const std::optional<DType> named = dtype_from_name(*logical);
   if (!named) {
@@ -76,8 +75,8 @@ TensorView core_view(const void* data, Storage storage, std::span<const std::int
          std::string(logical_arg) + ": unknown dtype '" + *logical + "' (known: " + known + ")");
   }
   const int bits = dtype_info(*named).bits;
-  if (native == named) {
-    return TensorView(data, *named, Shape(logical_dims(dims, storage.bits, bits, arg)));
+  if (storage.dtype == named) {
+    return TensorView(data, *named, logical_dims(dims, storage.bits, bits, arg));
   }
   if (!storage.name.starts_with("uint")) {
     fail(ErrorCode::kUnsupported, std::string(logical_arg) + ": '" + *logical +
@@ -90,7 +89,7 @@ TensorView core_view(const void* data, Storage storage, std::span<const std::int
              " bits) does not fit " + std::string(storage.name) + " storage of " + arg +
              " (elements of the same width, or two FP4 elements per uint8)");
   }
-  return TensorView(data, *named, Shape(logical_dims(dims, storage.bits, bits, arg)));
+  return TensorView(data, *named, logical_dims(dims, storage.bits, bits, arg));
 }
 
 std::array<TensorSpec, 5> output_specs(const RerouteOutputSpecs& specs) {
@@ -104,10 +103,9 @@ std::array<TensorSpec, 3> output_specs(const InverseOutputSpecs& specs) {
           specs.restored_topk_weight.value_or(absent)};
 }
 
-std::vector<std::int64_t> stored_like(const TensorSpec& spec,
-                                      std::span<const std::int64_t> input_dims) {
-  std::vector<std::int64_t> dims(input_dims.begin(), input_dims.end());
-  if (!dims.empty()) dims[0] = spec.shape.ndim > 0 ? spec.shape[0] : 0;
+Shape stored_like(const TensorSpec& spec, std::span<const std::int64_t> input_dims) {
+  Shape dims(input_dims);
+  if (dims.ndim > 0) dims.dims[0] = spec.shape.ndim > 0 ? spec.shape[0] : 0;
   return dims;
 }
 

@@ -11,7 +11,6 @@
 #include <span>
 #include <string>
 #include <string_view>
-#include <vector>
 
 #include "moe_reroute/moe_reroute.h"
 
@@ -32,11 +31,18 @@ namespace moe_reroute::adapter {
 [[noreturn]] void fail_device(std::string_view arg, std::string_view tokens_device);
 
 /// A framework element type: its name as the framework spells it ("bfloat16",
-/// "uint16", "float8_e4m3fn", "float4_e2m1fn_x2", ...) and its width in bits.
+/// "uint16", "float8_e4m3fn", "float4_e2m1fn_x2", ...), its width in bits and
+/// the table dtype of that name (`table_dtype`), which a framework may look up
+/// once per element type and keep.
 struct Storage {
   std::string_view name;
   int bits = 0;
+  std::optional<DType> dtype;
 };
+
+/// The table dtype a framework names `name` (its docs/spec.md or torch name);
+/// none where the table has no such row.
+std::optional<DType> table_dtype(std::string_view name);
 
 /// The core view of dense row-major storage `dims` (argument `arg`). Without
 /// `logical`, the storage dtype must be in the table (by name or torch name;
@@ -68,10 +74,9 @@ inline constexpr std::array<const char*, 3> kInverseOutputNames = {
 std::array<TensorSpec, 5> output_specs(const RerouteOutputSpecs& specs);
 std::array<TensorSpec, 3> output_specs(const InverseOutputSpecs& specs);
 
-/// The dims of output `spec` stored like its input (`input_dims`): the
-/// spec's rows, then the input's trailing storage dims.
-std::vector<std::int64_t> stored_like(const TensorSpec& spec,
-                                      std::span<const std::int64_t> input_dims);
+/// The dims of output `spec` stored like its input (`input_dims`, a viewed
+/// input's storage dims): the spec's rows, then the input's trailing dims.
+Shape stored_like(const TensorSpec& spec, std::span<const std::int64_t> input_dims);
 
 /// Scales stored as uint8 are read as float8_e8m0 (docs/spec.md section 4).
 std::optional<std::string> scales_dtype(Storage scales);

@@ -82,6 +82,10 @@ std::optional<Arg> arg_of(nb::handle object, bool writable) {
   return arg;
 }
 
+adapter::Storage storage(const Arg& arg) {
+  return {arg.storage, arg.bits, adapter::table_dtype(arg.storage)};
+}
+
 // The core view of `arg`, refused as the torch kernels refuse it: off
 // `device` (tokens' device, where described), not contiguous, or of a dtype
 // the core does not take as `logical`.
@@ -90,8 +94,8 @@ TensorView view(const Arg& arg, const std::optional<std::string>& device,
   if (device && arg.device && *arg.device != *device) adapter::fail_device(arg.name, *device);
   if (arg.data) check_contiguous(*arg.data, arg.name);
   if (!arg.contiguous) adapter::fail_not_contiguous(arg.name);
-  return adapter::core_view(arg.data ? arg.data->buf : nullptr, {arg.storage, arg.bits},
-                            arg.shape, arg.name.c_str(), logical, logical_arg);
+  return adapter::core_view(arg.data ? arg.data->buf : nullptr, storage(arg), arg.shape,
+                            arg.name.c_str(), logical, logical_arg);
 }
 
 // The views of one call's inputs (tokens, counts, scales?, weight?).
@@ -108,7 +112,7 @@ struct Inputs {
     if (!args[0]) adapter::fail_none("tokens");
     if (!args[1]) adapter::fail_none("expert_token_num_per_rank");
     tokens_dtype = tokens_name;
-    if (args[2]) scales_dtype = adapter::scales_dtype({args[2]->storage, args[2]->bits});
+    if (args[2]) scales_dtype = adapter::scales_dtype(storage(*args[2]));
   }
 
   // The device every argument must be on: tokens', where described.
@@ -217,7 +221,8 @@ struct OutputArrays {
     if (input) {
       arg.storage = input->storage;
       arg.bits = input->bits;
-      arg.shape = adapter::stored_like(spec, input->shape);
+      const Shape shape = adapter::stored_like(spec, input->shape);
+      arg.shape.assign(shape.dims.begin(), shape.dims.begin() + shape.ndim);
       dtype = nb::handle(input->data->obj).attr("dtype");
     } else {
       const DTypeInfo& info = dtype_info(spec.dtype);

@@ -73,19 +73,40 @@ std::string_view python_name(c10::ScalarType type) {
 }
 
 adapter::Storage storage(const Tensor& tensor) {
+  // The table dtype of each torch dtype's name, resolved once.
+  static const std::array<std::optional<DType>, kNumTorchDTypes> dtypes = [] {
+    std::array<std::optional<DType>, kNumTorchDTypes> dtypes;
+    for (std::size_t i = 0; i < kNumTorchDTypes; ++i) {
+      dtypes[i] = adapter::table_dtype(python_name(static_cast<c10::ScalarType>(i)));
+    }
+    return dtypes;
+  }();
   const c10::ScalarType type = tensor.scalar_type();
-  return {python_name(type), static_cast<int>(c10::elementSize(type)) * 8};
+  return {python_name(type), static_cast<int>(c10::elementSize(type)) * 8,
+          dtypes[static_cast<std::size_t>(type)]};
 }
 
 // The torch dtype of an output the core specifies by its own dtype.
 c10::ScalarType torch_dtype(DType dtype) {
-  const std::string_view name = dtype_info(dtype).torch_name;  // "": torch has none
-  for (std::size_t i = 0; i < kNumTorchDTypes && !name.empty(); ++i) {
-    const auto type = static_cast<c10::ScalarType>(i);
-    if (python_name(type) == name) return type;
+  // Undefined: torch has none.
+  static const std::vector<c10::ScalarType> types = [] {
+    std::vector<c10::ScalarType> types(dtype_table().size(), c10::ScalarType::Undefined);
+    for (std::size_t i = 0; i < kNumTorchDTypes; ++i) {
+      const auto type = static_cast<c10::ScalarType>(i);
+      for (const DTypeInfo& info : dtype_table()) {
+        if (!info.torch_name.empty() && info.torch_name == python_name(type)) {
+          types[static_cast<std::size_t>(info.dtype)] = type;
+        }
+      }
+    }
+    return types;
+  }();
+  const c10::ScalarType type = types[static_cast<std::size_t>(dtype)];
+  if (type == c10::ScalarType::Undefined) {
+    fail(ErrorCode::kUnsupported,
+         std::string("dtype ") + std::string(dtype_name(dtype)) + " has no torch dtype");
   }
-  fail(ErrorCode::kUnsupported,
-       std::string("dtype ") + std::string(dtype_name(dtype)) + " has no torch dtype");
+  return type;
 }
 
 // Python's exception by the error's kind: TypeError, ValueError, RuntimeError.
@@ -174,7 +195,8 @@ Tensor empty(c10::IntArrayRef dims, c10::ScalarType type, const c10::Device& dev
 // `spec` itself in its torch dtype.
 Tensor allocate(const TensorSpec& spec, const Tensor* input, const c10::Device& device) {
   if (input) {
-    return empty(adapter::stored_like(spec, input->sizes()), input->scalar_type(), device);
+    const Shape dims = adapter::stored_like(spec, input->sizes());
+    return empty(c10::IntArrayRef(dims.dims.data(), dims.ndim), input->scalar_type(), device);
   }
   return empty(c10::IntArrayRef(spec.shape.dims.data(), spec.shape.ndim), torch_dtype(spec.dtype),
                device);
