@@ -27,7 +27,6 @@ FORWARD_OUT = OPS.moe_re_routing_out.default
 INVERSE = OPS.moe_re_routing_inverse.default
 
 
-
 def _hint(size) -> int:
     return _size_hint(size) if isinstance(size, torch.SymInt) else int(size)
 
