@@ -72,36 +72,39 @@ std::string_view python_name(c10::ScalarType type) {
   return names[static_cast<std::size_t>(type)];
 }
 
-adapter::Storage storage(const Tensor& tensor) {
-  // The table dtype of each torch dtype's name, resolved once.
-  static const std::array<std::optional<DType>, kNumTorchDTypes> dtypes = [] {
-    std::array<std::optional<DType>, kNumTorchDTypes> dtypes;
+// Torch's dtypes against the table's, both ways, from torch's names, built once.
+struct DTypeMap {
+  std::array<std::optional<DType>, kNumTorchDTypes> table;  // by torch dtype
+  std::vector<c10::ScalarType> torch;  // by table dtype; Undefined where torch has none
+};
+
+const DTypeMap& dtype_map() {
+  static const DTypeMap map = [] {
+    DTypeMap map;
+    map.torch.assign(dtype_table().size(), c10::ScalarType::Undefined);
     for (std::size_t i = 0; i < kNumTorchDTypes; ++i) {
-      dtypes[i] = adapter::table_dtype(python_name(static_cast<c10::ScalarType>(i)));
+      const auto type = static_cast<c10::ScalarType>(i);
+      const std::optional<DType> row = adapter::table_dtype(python_name(type));
+      map.table[i] = row;
+      // A row names torch's dtype by its torch name; its own name may be another's.
+      if (row && dtype_info(*row).torch_name == python_name(type)) {
+        map.torch[static_cast<std::size_t>(*row)] = type;
+      }
     }
-    return dtypes;
+    return map;
   }();
+  return map;
+}
+
+adapter::Storage storage(const Tensor& tensor) {
   const c10::ScalarType type = tensor.scalar_type();
   return {python_name(type), static_cast<int>(c10::elementSize(type)) * 8,
-          dtypes[static_cast<std::size_t>(type)]};
+          dtype_map().table[static_cast<std::size_t>(type)]};
 }
 
 // The torch dtype of an output the core specifies by its own dtype.
 c10::ScalarType torch_dtype(DType dtype) {
-  // Undefined: torch has none.
-  static const std::vector<c10::ScalarType> types = [] {
-    std::vector<c10::ScalarType> types(dtype_table().size(), c10::ScalarType::Undefined);
-    for (std::size_t i = 0; i < kNumTorchDTypes; ++i) {
-      const auto type = static_cast<c10::ScalarType>(i);
-      for (const DTypeInfo& info : dtype_table()) {
-        if (!info.torch_name.empty() && info.torch_name == python_name(type)) {
-          types[static_cast<std::size_t>(info.dtype)] = type;
-        }
-      }
-    }
-    return types;
-  }();
-  const c10::ScalarType type = types[static_cast<std::size_t>(dtype)];
+  const c10::ScalarType type = dtype_map().torch[static_cast<std::size_t>(dtype)];
   if (type == c10::ScalarType::Undefined) {
     fail(ErrorCode::kUnsupported,
          std::string("dtype ") + std::string(dtype_name(dtype)) + " has no torch dtype");
