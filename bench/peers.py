@@ -7,13 +7,16 @@ of the same bytes), all in one process, contenders interleaved call by call
 - overhead: A = 1 (bf16 H = 7168), per-call cost against one index_select of
   the tokens, plain, under torch.inference_mode and with tokens that require
   grad (both record a graph node), and the NumPy call beside NumPy fancy
-  indexing (bf16 as uint16 storage named by tokens_dtype);
+  indexing (bf16 as uint16 storage named by tokens_dtype); index_select
+  called through torch.ops too (torch.ops.aten.index_select.default), which
+  shows what torch.ops' Python layer costs any operator;
 - decode: A = 256 bf16 H = 7168, float32 scales [A] and weights [A, 1],
   against index_select of the tokens alone (and the NumPy call beside fancy
   indexing of the tokens);
 - loops: decode again, in blocks of back-to-back calls of one contender
-  (the ops with fresh outputs and with out=, index_select with and without
-  out=), as a caller looping over one operator sees it;
+  (the public function and the ops with fresh outputs and with out=,
+  index_select with and without out=), as a caller looping over one operator
+  sees it;
 - prefill: A = 16384 int8 H = 7168 with scales and weights, against clone of
   the same three tensors (fresh outputs every call, as in a model).
 
@@ -46,6 +49,7 @@ import moe_reroute
 NUM_RANKS = NUM_EXPERTS = 16
 HIDDEN = 7168
 OPS = torch.ops.moe_reroute
+ATEN_INDEX_SELECT = torch.ops.aten.index_select.default
 
 
 def workload(num_tokens, dtype, seed=0):
@@ -171,6 +175,7 @@ def overhead(repeats):
     forward = OPS.moe_re_routing.default
     rows = {
         "torch.index_select": lambda: torch.index_select(tokens, 0, index),
+        "torch.ops.aten.index_select.default": lambda: ATEN_INDEX_SELECT(tokens, 0, index),
         "torch.ops.moe_reroute.moe_re_routing": lambda: forward(tokens, counts),
         "moe_reroute.moe_re_routing": lambda: moe_reroute.moe_re_routing(tokens, counts),
     }
@@ -218,6 +223,7 @@ def decode(repeats):
           [torch.index_select(tokens, 0, index).view(torch.uint16)])
     times = timings_us({
         "torch.index_select (tokens)": lambda: torch.index_select(tokens, 0, index),
+        "torch.ops.aten.index_select.default": lambda: ATEN_INDEX_SELECT(tokens, 0, index),
         "moe_reroute (tokens, scales, weight)": lambda: moe_reroute.moe_re_routing(
             tokens, counts, **kwargs),
         "moe_reroute out=": lambda: moe_reroute.moe_re_routing(tokens, counts, **kwargs, out=out),
@@ -234,9 +240,9 @@ def decode(repeats):
 
 
 def decode_loops(blocks=7, calls=300):
-    """Decode in own loops (block_timings_us), each op called at its
-    torch.ops overload: fresh outputs and out= beside index_select's."""
-    tokens, counts, scales, weight, _, index, result = checked_workload(256, torch.bfloat16)
+    """Decode in own loops (block_timings_us): the public function and each
+    op at its torch.ops overload, fresh outputs and out= beside index_select's."""
+    tokens, counts, scales, weight, kwargs, index, result = checked_workload(256, torch.bfloat16)
     out = poisoned_like(result)
     (selected,) = poisoned_like([tokens])
     forward, forward_out = OPS.moe_re_routing.default, OPS.moe_re_routing_out.default
@@ -244,6 +250,10 @@ def decode_loops(blocks=7, calls=300):
         "torch.index_select (tokens)": lambda: torch.index_select(tokens, 0, index),
         "torch.index_select (tokens) out=": lambda: torch.index_select(tokens, 0, index,
                                                                        out=selected),
+        "moe_reroute.moe_re_routing": lambda: moe_reroute.moe_re_routing(tokens, counts,
+                                                                          **kwargs),
+        "moe_reroute.moe_re_routing out=": lambda: moe_reroute.moe_re_routing(
+            tokens, counts, **kwargs, out=out),
         "torch.ops.moe_reroute.moe_re_routing": lambda: forward(tokens, counts, scales, weight),
         "torch.ops.moe_reroute.moe_re_routing_out": lambda: forward_out(tokens, counts, *out,
                                                                         scales, weight),

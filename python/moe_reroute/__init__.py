@@ -23,6 +23,7 @@ if (importlib.util.find_spec("torch") is not None
     _TENSOR = _torch.torch.Tensor  # looked up once: the check runs on every call
 else:
     _torch = None
+    _TENSOR = ()  # isinstance(x, ()) is False: nothing goes to the torch operators
 
 __all__ = ["__version__", "cpu_output_cache_bytes", "cuda_check", "dtype_table",
            "moe_re_routing", "moe_re_routing_inverse", "set_cpu_output_cache_limit",
@@ -70,14 +71,11 @@ def cpu_output_cache_bytes() -> int:
     return _ops().cpu_output_cache_bytes()
 
 
-def _is_torch(array) -> bool:
-    """Whether `array` is a torch tensor (raising where this build has no
-    torch operators), without importing torch for NumPy calls."""
-    if _torch is not None:
-        return isinstance(array, _TENSOR)
-    if type(array).__module__.startswith("torch"):
+def _refuse_torch(array) -> None:
+    """Raises where `array` is a torch tensor and this build has no torch
+    operators (found without importing torch)."""
+    if _torch is None and type(array).__module__.startswith("torch"):
         _ops()
-    return False
 
 
 def moe_re_routing(tokens, expert_token_num_per_rank, *, per_token_scales=None,
@@ -100,15 +98,20 @@ def moe_re_routing(tokens, expert_token_num_per_rank, *, per_token_scales=None,
     Raises TypeError (dtype), ValueError (shape, value) or RuntimeError
     (device runtime) naming the argument, before writing anything.
     """
+    # The arguments go on positionally: at decode size each Python step shows.
+    if isinstance(tokens, _TENSOR):
+        if out is None:
+            return _torch.FORWARD(tokens, expert_token_num_per_rank, per_token_scales,
+                                  expert_topk_weight, expert_token_num_type, idx_type,
+                                  tokens_dtype, expert_alignment, allow_spare_rows)
+        out = _bridge.forward_out(out)
+        _torch.FORWARD_OUT(tokens, expert_token_num_per_rank, *out, per_token_scales,
+                           expert_topk_weight, expert_token_num_type, idx_type, tokens_dtype,
+                           expert_alignment, allow_spare_rows)
+        return out
+    _refuse_torch(tokens)
     if out is not None:
         out = _bridge.forward_out(out)
-    if _is_torch(tokens):
-        args = (per_token_scales, expert_topk_weight, expert_token_num_type, idx_type,
-                tokens_dtype, expert_alignment, allow_spare_rows)
-        if out is None:
-            return _torch.FORWARD(tokens, expert_token_num_per_rank, *args)
-        _torch.FORWARD_OUT(tokens, expert_token_num_per_rank, *out, *args)
-        return out
     return _numpy.reroute(
         (tokens, expert_token_num_per_rank, per_token_scales, expert_topk_weight), tokens_dtype,
         _bridge.attributes(expert_token_num_type, idx_type, expert_alignment, allow_spare_rows),
@@ -124,10 +127,11 @@ def moe_re_routing_inverse(tokens, expert_token_num_per_rank, *, per_token_scale
     output, as the forward's permute_topk_weight. Arguments and errors as for
     ``moe_re_routing``; tokens may have any table dtype.
     """
-    if _is_torch(tokens):
+    if isinstance(tokens, _TENSOR):
         return _torch.INVERSE(
             tokens, expert_token_num_per_rank, per_token_scales, expert_topk_weight,
             tokens_dtype, expert_alignment, allow_spare_rows)
+    _refuse_torch(tokens)
     return _numpy.inverse(
         (tokens, expert_token_num_per_rank, per_token_scales, expert_topk_weight), tokens_dtype,
         _bridge.inverse_attributes(expert_alignment, allow_spare_rows))

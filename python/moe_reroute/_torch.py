@@ -1,18 +1,19 @@
-"""The torch operators, defined and implemented in C++ (_torch_ops.so, loaded
+"""The torch operators, defined and implemented in C++ (_torch_ops.so, imported
 here): ``torch.ops.moe_reroute.moe_re_routing``, ``moe_re_routing_out`` and
 ``moe_re_routing_inverse``, with CPU, CUDA and autograd kernels that run no
-Python. What this module adds is the fake kernels (FakeTensorMode,
+Python. What this module adds is how the public functions call them (FORWARD,
+FORWARD_OUT, INVERSE: in eager mode through the module's C++ entry points,
+which skip torch.ops' Python layer) and the fake kernels (FakeTensorMode,
 torch.compile, torch.export): the core's infer_reroute / infer_inverse run on
 the size hints decide every error and every output spec, and the output row
 counts are made symbolic from what the core returns (docs/torch.md)."""
 
 from __future__ import annotations
 
-import pathlib
-
 import torch
+from torch.overrides import has_torch_function
 
-from . import _bridge, _core
+from . import _bridge, _core, _torch_ops  # importing _torch_ops registers the operators
 
 # A symbolic size's hint, without adding a guard (renamed in torch 2.15).
 try:
@@ -20,11 +21,30 @@ try:
 except ImportError:
     from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw as _size_hint
 
-torch.ops.load_library(pathlib.Path(__file__).with_name("_torch_ops.so"))
 OPS = torch.ops.moe_reroute
-FORWARD = OPS.moe_re_routing.default
-FORWARD_OUT = OPS.moe_re_routing_out.default
-INVERSE = OPS.moe_re_routing_inverse.default
+
+
+def _eager(op, entry, tracing=torch.compiler.is_dynamo_compiling):
+    """A function calling the operator overload `op` on its arguments. Eager,
+    it calls `entry`, the C++ entry point of `op`, which calls it through the
+    dispatcher without torch.ops' Python layer (NotImplemented where an
+    argument is not plainly of the schema's type). Where Dynamo traces
+    (torch.compile, strict torch.export), and where a tensor subclass or a mode
+    has a __torch_function__, it calls `op` itself, which they trace or
+    override. Tracing below Python (make_fx, non-strict export, FakeTensorMode)
+    sees the same dispatcher call either way."""
+    def call(*args):
+        if not (tracing() or has_torch_function(args)):
+            result = entry(*args)
+            if result is not NotImplemented:
+                return result
+        return op(*args)
+    return call
+
+
+FORWARD = _eager(OPS.moe_re_routing.default, _torch_ops.forward)
+FORWARD_OUT = _eager(OPS.moe_re_routing_out.default, _torch_ops.forward_out)
+INVERSE = _eager(OPS.moe_re_routing_inverse.default, _torch_ops.inverse)
 
 
 def _hint(size) -> int:

@@ -14,14 +14,17 @@ pytest.importorskip("moe_reroute._torch")
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "bench" / "peers.py"
 ROWS = {
-    "overhead": ["torch.index_select", "torch.ops.moe_reroute.moe_re_routing",
+    "overhead": ["torch.index_select", "torch.ops.aten.index_select.default",
+                 "torch.ops.moe_reroute.moe_re_routing",
                  "moe_reroute.moe_re_routing (inference_mode)",
                  "torch.ops.moe_reroute.moe_re_routing (requires grad)", "numpy fancy index",
                  "moe_reroute.moe_re_routing (numpy)"],
-    "decode": ["torch.index_select (tokens)", "moe_reroute (tokens, scales, weight)",
+    "decode": ["torch.index_select (tokens)", "torch.ops.aten.index_select.default",
+               "moe_reroute (tokens, scales, weight)",
                "moe_reroute out=", "megatron split+cat", "numpy fancy index (tokens)",
                "moe_reroute (numpy)"],
     "loops": ["torch.index_select (tokens)", "torch.index_select (tokens) out=",
+              "moe_reroute.moe_re_routing", "moe_reroute.moe_re_routing out=",
               "torch.ops.moe_reroute.moe_re_routing", "torch.ops.moe_reroute.moe_re_routing_out"],
     "prefill": ["clone (tokens, scales, weight)", "moe_reroute (torch)", "moe_reroute (numpy)",
                 "numpy fancy index"],

@@ -21,6 +21,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 import torch.utils.checkpoint
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import moe_reroute
 import reference
@@ -779,6 +780,124 @@ def test_eager_call_without_gradients_runs_no_python_kernel(mode):
         called = python_functions_called(functools.partial(op, tokens, counts, scales, weight))
     # Only torch's OpOverload.__call__, the Python entry of every torch op.
     assert [c.rsplit("/", 2)[-2:] for c in called] == [["torch", "_ops.py:__call__"]]
+
+
+@pytest.mark.parametrize("mode", ["no input requires grad", "no_grad", "inference_mode",
+                                  "records the graph"])
+def test_public_eager_call_skips_torch_ops_python(mode):
+    """The public functions call the operators through their C++ entry
+    points: no Python of torch.ops (or any other of torch's) runs, only the
+    package's own two frames and Dynamo's is-tracing flag."""
+    tokens, counts, scales, weight = workload(20, seed=9, tokens_dtype=torch.float32,
+                                              requires_grad=mode != "no input requires grad")
+    context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(
+        mode, torch.enable_grad)
+    calls = {
+        "forward": functools.partial(moe_reroute.moe_re_routing, tokens, counts,
+                                     per_token_scales=scales, expert_topk_weight=weight),
+        "inverse": functools.partial(moe_reroute.moe_re_routing_inverse, tokens, counts,
+                                     per_token_scales=scales),
+    }
+    for name, call in calls.items():
+        with context():
+            called = python_functions_called(call)
+        public = "moe_re_routing" if name == "forward" else "moe_re_routing_inverse"
+        assert [c.rsplit("/", 2)[-2:] for c in called] == [
+            ["moe_reroute", f"__init__.py:{public}"], ["moe_reroute", "_torch.py:call"],
+            ["compiler", "__init__.py:is_dynamo_compiling"]], name
+    with context():
+        outputs = calls["forward"]()
+    check_forward(outputs, tokens, counts, scales, weight)
+    assert (outputs[0].grad_fn is not None) == (mode == "records the graph")
+
+
+def test_entry_points_hand_back_arguments_that_are_not_plain():
+    """An argument that is not plainly of the schema's type gets
+    NotImplemented back from the C++ entry point, and the public function
+    then calls torch.ops, which converts it (a NumPy integer) or names it."""
+    from moe_reroute import _torch_ops
+    tokens, counts, scales, weight = workload(20, seed=3)
+    plain = (tokens, counts, scales, weight, 1, 0, None, 1, False)
+    check_forward(_torch_ops.forward(*plain), tokens, counts, scales, weight)
+    for index, value in [(0, None), (1, counts.numpy()), (2, scales.numpy()), (3, 1.0),
+                         (4, np.int64(1)), (5, True), (6, b"int8"), (7, 2**63), (8, 1)]:
+        changed = list(plain)
+        changed[index] = value
+        assert _torch_ops.forward(*changed) is NotImplemented, (index, value)
+    assert _torch_ops.forward(*plain[:8]) is NotImplemented
+    assert _torch_ops.inverse(tokens, counts, None, None, None, 1, np.bool_(False)) \
+        is NotImplemented
+    outputs = moe_reroute.moe_re_routing(tokens, counts, per_token_scales=scales,
+                                         expert_alignment=np.int64(4))
+    check_forward(outputs, tokens, counts, scales, None, expert_alignment=4)
+    with pytest.raises(RuntimeError, match="Expected a value of type 'int' for argument "
+                                           "'expert_alignment' but instead found type 'str'"):
+        moe_reroute.moe_re_routing(tokens, counts, expert_alignment="4")
+
+
+class Seen:
+    """A mode that records each function it sees, then calls it."""
+
+    def __init__(self):
+        super().__init__()
+        self.functions = []
+
+    def record(self, func, types, args=(), kwargs=None):
+        self.functions.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+class FunctionsSeen(Seen, torch.overrides.TorchFunctionMode):
+    __torch_function__ = Seen.record
+
+
+class DispatchSeen(Seen, TorchDispatchMode):
+    __torch_dispatch__ = Seen.record
+
+
+class Tagged(torch.Tensor):
+    """A tensor subclass with a __torch_function__ that records each function."""
+    functions = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.functions.append(func)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_torch_function_modes_and_subclasses_see_the_operators():
+    """Where a mode or a subclass has a __torch_function__, the public
+    functions call torch.ops, which calls it first, as for torch's own ops."""
+    tokens, counts, scales, weight = workload(20, seed=4)
+    with FunctionsSeen() as mode:
+        outputs = moe_reroute.moe_re_routing(tokens, counts, per_token_scales=scales,
+                                             expert_topk_weight=weight)
+        restored = moe_reroute.moe_re_routing_inverse(outputs[0], counts)
+        out = poisoned_outputs("torch", tokens, counts, scales, weight)
+        moe_reroute.moe_re_routing(tokens, counts, per_token_scales=scales,
+                                   expert_topk_weight=weight, out=out)
+    assert [f for f in mode.functions if isinstance(f, torch._ops.OpOverload)] == [
+        OPS.moe_re_routing.default, OPS.moe_re_routing_inverse.default,
+        OPS.moe_re_routing_out.default]
+    check_forward(outputs, tokens, counts, scales, weight)
+    check_forward(out, tokens, counts, scales, weight)
+    check_inverse(restored, outputs[0], counts, None, None)
+    Tagged.functions.clear()
+    tagged = moe_reroute.moe_re_routing(tokens.as_subclass(Tagged), counts)
+    assert OPS.moe_re_routing.default in Tagged.functions
+    check_forward(tagged, tokens, counts, None, None)
+
+
+def test_dispatch_modes_see_the_entry_point_call():
+    """The C++ entry points call the dispatcher, so what hooks in below
+    Python (a dispatch mode here; fake tensors, make_fx, functorch) sees the
+    call as from torch.ops."""
+    tokens, counts, scales, weight = workload(20, seed=5)
+    with DispatchSeen() as mode:
+        outputs = moe_reroute.moe_re_routing(tokens, counts, per_token_scales=scales,
+                                             expert_topk_weight=weight)
+    assert OPS.moe_re_routing.default in mode.functions
+    check_forward(outputs, tokens, counts, scales, weight)
 
 
 def test_grad_call_records_the_graph_and_no_grad_call_none():
