@@ -900,6 +900,33 @@ def test_dispatch_modes_see_the_entry_point_call():
     check_forward(outputs, tokens, counts, scales, weight)
 
 
+def test_public_call_releases_the_gil():
+    """Other Python threads run while a call moves the bytes, as with torch.ops.
+    With a switch interval of 0.5 s the caller's thread keeps the GIL through
+    a call of some milliseconds unless the call releases it, so the main
+    thread only ever sees the call in progress if it does."""
+    tokens, counts, _, _ = workload(8192, seed=6, tokens_dtype=torch.float32, hidden=1024)
+    state = {"inside": False, "seen": 0}
+
+    def call():
+        state["inside"] = True
+        state["outputs"] = moe_reroute.moe_re_routing(tokens, counts)
+        state["inside"] = False
+
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(0.5)
+    try:
+        worker = threading.Thread(target=call)
+        worker.start()
+        while worker.is_alive():
+            state["seen"] += state["inside"]
+        worker.join()
+    finally:
+        sys.setswitchinterval(previous)
+    assert state["seen"] > 0
+    check_forward(state["outputs"], tokens, counts, None, None)
+
+
 def test_grad_call_records_the_graph_and_no_grad_call_none():
     tokens, counts, scales, weight = workload(20, seed=9, tokens_dtype=torch.float32,
                                               requires_grad=True)
