@@ -98,20 +98,19 @@ def moe_re_routing(tokens, expert_token_num_per_rank, *, per_token_scales=None,
     Raises TypeError (dtype), ValueError (shape, value) or RuntimeError
     (device runtime) naming the argument, before writing anything.
     """
+    if out is not None:
+        out = _bridge.forward_out(out)
     # The arguments go on positionally: at decode size each Python step shows.
     if isinstance(tokens, _TENSOR):
         if out is None:
             return _torch.FORWARD(tokens, expert_token_num_per_rank, per_token_scales,
                                   expert_topk_weight, expert_token_num_type, idx_type,
                                   tokens_dtype, expert_alignment, allow_spare_rows)
-        out = _bridge.forward_out(out)
         _torch.FORWARD_OUT(tokens, expert_token_num_per_rank, *out, per_token_scales,
                            expert_topk_weight, expert_token_num_type, idx_type, tokens_dtype,
                            expert_alignment, allow_spare_rows)
         return out
     _refuse_torch(tokens)
-    if out is not None:
-        out = _bridge.forward_out(out)
     return _numpy.reroute(
         (tokens, expert_token_num_per_rank, per_token_scales, expert_topk_weight), tokens_dtype,
         _bridge.attributes(expert_token_num_type, idx_type, expert_alignment, allow_spare_rows),
