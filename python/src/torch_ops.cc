@@ -1,7 +1,8 @@
 // The torch operators moe_reroute::moe_re_routing, moe_re_routing_out and
 // moe_re_routing_inverse: schemas, one kernel per op for CPU and CUDA tensors
 // that calls the core directly, the autograd kernels, the per-device CUDA
-// status word and the limit of the CPU output cache (output_cache.h). The
+// status word, the limit of the CPU output cache (output_cache.h), and the
+// Python module moe_reroute._torch_ops with the eager entry points. The
 // fake kernels are Python (moe_reroute/_torch.py) calling the core's
 // infer_reroute / infer_inverse. Why the regular (not the stable) C++ API:
 // docs/torch.md.
@@ -752,8 +753,8 @@ void reroute_out_inplace(const Tensor& tokens, const Tensor& counts, const Tenso
 // operator through the dispatcher as torch.ops does (autograd, the CPU and
 // CUDA kernels, fake tensors and every mode or transform below Python run
 // alike), without the Python frame of torch.ops and its parsing of the
-// arguments against the schema, which at decode size cost more than the
-// operator's whole gap to an index_select (docs/torch.md). Arguments that are
+// arguments against the schema, which cost as much as the operator's whole
+// gap to an index_select at decode size (docs/torch.md). Arguments that are
 // not plainly of the schema's types (a NumPy integer, a missing tensor) get
 // NotImplemented back, for the caller to go through torch.ops, whose
 // conversions and errors then apply.
