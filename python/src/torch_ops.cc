@@ -800,6 +800,13 @@ std::optional<T> plain(py::handle value) {
   }
 }
 
+// `body()`, run with the GIL released; the GIL is held again when it returns.
+template <typename Body>
+auto without_gil(const Body& body) {
+  const py::gil_scoped_release no_gil;
+  return body();
+}
+
 // Calls `op` on `args` converted as plain(), with the GIL released as
 // torch.ops releases it; NotImplemented where an argument is not plain.
 template <typename Result, typename... Params, std::size_t... I>
@@ -810,19 +817,12 @@ py::object call_plain(const c10::TypedOperatorHandle<Result(Params...)>& op,
   std::tuple<std::optional<std::decay_t<Params>>...> values{
       plain<std::decay_t<Params>>(args[I])...};
   if (!(std::get<I>(values) && ...)) return not_implemented();
+  const auto call = [&] { return op.call(*std::get<I>(values)...); };
   if constexpr (std::is_void_v<Result>) {
-    {
-      const py::gil_scoped_release no_gil;
-      op.call(*std::get<I>(values)...);
-    }
+    without_gil(call);
     return py::none();
   } else {
-    std::optional<Result> result;
-    {
-      const py::gil_scoped_release no_gil;
-      result.emplace(op.call(*std::get<I>(values)...));
-    }
-    return py::cast(*std::move(result));
+    return py::cast(without_gil(call));
   }
 }
 
