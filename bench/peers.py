@@ -26,19 +26,27 @@ medians, the ratios, each row's slowest timed call and its first call over
 its median (outliers; WARMUP_CALLS untimed calls come first), and at prefill
 one call of the operator and of clone after a few seconds idle.
 
+--processes N runs the tables in N fresh processes per allocator, then prints
+each row's ratio to its table's baseline in every process and their median:
+where the tensors and outputs lie in memory differs from process to process,
+and at decode that moves a ratio by more than anything left in the call does
+(docs/benchmarks.md).
+
     python bench/peers.py [--repeats N] [--only overhead|decode|loops|prefill]
-                          [--allocator default|thp|both]
+                          [--allocator default|thp|both] [--processes N]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -147,6 +155,10 @@ def poisoned_like(tensors):
     return outputs
 
 
+# Where print_table also appends each row's ratio (JSON lines), for --processes.
+RECORD = None
+
+
 def print_table(title, times, baseline):
     print(f"\n{title}")
     print(f"| {'method':<52} | {'median us':>10} | {'x ' + baseline:>22} | {'slowest/median':>14} "
@@ -156,6 +168,12 @@ def print_table(title, times, baseline):
     for name, (median, slowest, first) in times.items():
         print(f"| {name:<52} | {median:>10.1f} | {median / base:>22.2f} | "
               f"{slowest / median:>14.1f} | {first / median:>17.1f} |")
+    if RECORD:
+        allocator = "THP" if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1" else "default"
+        with open(RECORD, "a") as record:
+            for name, (median, _, _) in times.items():
+                record.write(json.dumps({"allocator": allocator, "table": title.split(":")[0],
+                                         "method": name, "ratio": median / base}) + "\n")
 
 
 def numpy_of(tokens, counts):
@@ -316,12 +334,49 @@ def cpu_model():
     return names[0] if names else platform.processor() or platform.machine()
 
 
+def across_processes(args):
+    """Runs the tables in args.processes fresh processes per allocator, then
+    prints each row's ratio in every process and their median."""
+    allocators = ("default", "thp") if args.allocator == "both" else (args.allocator,)
+    with tempfile.TemporaryDirectory() as directory:
+        record = pathlib.Path(directory) / "ratios.jsonl"
+        for allocator in allocators:
+            for _ in range(args.processes):
+                argv = [sys.executable, __file__, "--repeats", str(args.repeats),
+                        "--allocator", allocator, "--record", str(record)]
+                sys.stdout.flush()
+                if subprocess.call(argv + (["--only", args.only] if args.only else [])) != 0:
+                    raise SystemExit("a benchmark process failed")
+        rows = [json.loads(line) for line in record.read_text().splitlines()]
+    ratios = {}
+    for row in rows:
+        ratios.setdefault((row["allocator"], row["table"], row["method"]), []).append(row["ratio"])
+    width = max(len("per process"), 5 * args.processes - 1)
+    print(f"\n## ratio to each table's baseline in {args.processes} processes, and their median")
+    print(f"| {'allocator':<9} | {'table':<8} | {'method':<52} | {'per process':<{width}} "
+          f"| median |")
+    print(f"|{'-' * 11}|{'-' * 10}|{'-' * 54}|{'-' * (width + 2)}|--------|")
+    for (allocator, table, method), values in ratios.items():
+        each = " ".join(f"{value:.2f}" for value in values)
+        print(f"| {allocator:<9} | {table:<8} | {method:<52} | {each:<{width}} | "
+              f"{statistics.median(values):>6.2f} |")
+
+
 def main():
+    global RECORD
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--only", choices=("overhead", "decode", "loops", "prefill"))
     parser.add_argument("--allocator", choices=("default", "thp", "both"), default="both")
+    parser.add_argument("--processes", type=int, default=1)
+    parser.add_argument("--record", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.processes < 1:
+        parser.error("--processes: must be >= 1")
+    if args.processes > 1:
+        across_processes(args)
+        return
+    RECORD = args.record
     thp = os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
     if args.allocator == "thp" and not thp:
         env = os.environ | {"THP_MEM_ALLOC_ENABLE": "1"}

@@ -55,3 +55,22 @@ def test_every_table_verifies_and_prints_each_row():
             assert len(figures) == 4 and all(f > 0 for f in figures), row.group(0)
     idle = out[out.index("after 3 s idle"):]
     assert re.search(r"moe_reroute \(torch\): [0-9.]+ ms, [0-9.]+x its median", idle)
+
+
+def test_processes_summarize_each_row_across_fresh_processes():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--repeats", "1", "--allocator", "default",
+                           "--only", "overhead", "--processes", "3"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert out.count("\noverhead: ") == 3  # each process printed its own table
+    summary = out[out.index("## ratio to each table's baseline in 3 processes"):]
+    for name in ROWS["overhead"]:
+        row = re.search(rf"^\| default +\| overhead +\| {re.escape(name)} +\| ([0-9. ]+?) +\| +"
+                        rf"([0-9.]+) \|$", summary, re.MULTILINE)
+        assert row, f"no summary row {name!r}"
+        ratios = row.group(1).split()
+        assert len(ratios) == 3 and all(float(ratio) > 0 for ratio in ratios)
+        assert row.group(2) == sorted(ratios, key=float)[1]  # the middle one, as printed
+    assert re.search(r"^\| default +\| overhead +\| torch\.index_select +\| 1\.00 1\.00 1\.00 ",
+                     summary, re.MULTILINE), summary
