@@ -18,7 +18,10 @@ of the same bytes), all in one process, contenders interleaved call by call
   index_select with and without out=), as a caller looping over one operator
   sees it;
 - prefill: A = 16384 int8 H = 7168 with scales and weights, against clone of
-  the same three tensors (fresh outputs every call, as in a model).
+  the same three tensors (fresh outputs every call, as in a model);
+- vmap: torch.vmap over 256 entries that share their counts (A = 64 float32,
+  H = 16) and torch.func.jacrev of permute_tokens, against the same of
+  index_select, and a loop of calls stacked.
 
 Each table is printed for torch's default allocator settings, then again in a
 child process with THP_MEM_ALLOC_ENABLE=1 (--allocator picks one). Prints
@@ -32,7 +35,7 @@ where the tensors and outputs lie in memory differs from process to process,
 and at decode that moves a ratio by more than anything left in the call does
 (docs/benchmarks.md).
 
-    python bench/peers.py [--repeats N] [--only overhead|decode|loops|prefill]
+    python bench/peers.py [--repeats N] [--only overhead|decode|loops|prefill|vmap]
                           [--allocator default|thp|both] [--processes N]
 """
 
@@ -309,6 +312,31 @@ def prefill(repeats):
         "moe_reroute (torch)", "clone (tokens, scales, weight)")})
 
 
+def vmap_table(repeats):
+    counts = torch.from_numpy(np.full((4, 4), 4, np.int32))
+    batch = torch.randn(256, 64, 16)
+    index = moe_reroute.moe_re_routing(batch[0], counts)[2].long()
+    fns = {
+        "torch.vmap(torch.index_select)": lambda: torch.vmap(
+            lambda t: torch.index_select(t, 0, index))(batch),
+        "torch.vmap(moe_reroute.moe_re_routing)": lambda: torch.vmap(
+            lambda t: moe_reroute.moe_re_routing(t, counts)[0])(batch),
+        "moe_re_routing per entry, stacked": lambda: torch.stack(
+            [moe_reroute.moe_re_routing(t, counts)[0] for t in batch]),
+        "torch.func.jacrev(torch.index_select)": lambda: torch.func.jacrev(
+            lambda t: torch.index_select(t, 0, index))(batch[0]),
+        "torch.func.jacrev(moe_reroute.moe_re_routing)": lambda: torch.func.jacrev(
+            lambda t: moe_reroute.moe_re_routing(t, counts)[0])(batch[0]),
+    }
+    check("vmap", [fns["torch.vmap(moe_reroute.moe_re_routing)"](),
+                   fns["torch.func.jacrev(moe_reroute.moe_re_routing)"]()],
+          [fns["torch.vmap(torch.index_select)"](),
+           fns["torch.func.jacrev(torch.index_select)"]()])
+    print_table(f"vmap: 256 entries of A=64 float32 H=16, counts 4x4 shared; jacrev of one entry, "
+                f"median of {repeats}", timings_us(fns, repeats),
+                "torch.vmap(torch.index_select)")
+
+
 def idle_calls_after_pause(times, fns, pause_s=3.0):
     """One call of each of `fns` after `pause_s` seconds idle, over its median:
     in a VM whose kernel reports free memory to the hypervisor (free page
@@ -366,7 +394,7 @@ def main():
     global RECORD
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=40)
-    parser.add_argument("--only", choices=("overhead", "decode", "loops", "prefill"))
+    parser.add_argument("--only", choices=("overhead", "decode", "loops", "prefill", "vmap"))
     parser.add_argument("--allocator", choices=("default", "thp", "both"), default="both")
     parser.add_argument("--processes", type=int, default=1)
     parser.add_argument("--record", help=argparse.SUPPRESS)
@@ -393,6 +421,8 @@ def main():
         decode_loops()
     if args.only in (None, "prefill"):
         prefill(args.repeats)
+    if args.only in (None, "vmap"):
+        vmap_table(max(args.repeats, 20))
     if args.allocator == "both":
         sys.stdout.flush()
         argv = [a for a in sys.argv if a != "--allocator" and a != "both"]

@@ -6,7 +6,8 @@ FORWARD_OUT, INVERSE: in eager mode through the module's C++ entry points,
 which skip torch.ops' Python layer) and the fake kernels (FakeTensorMode,
 torch.compile, torch.export): the core's infer_reroute / infer_inverse run on
 the size hints decide every error and every output spec, and the output row
-counts are made symbolic from what the core returns (docs/torch.md)."""
+counts are made symbolic from what the core returns; and the vmap rules, which
+lay out a batch that shares its counts once (docs/torch.md)."""
 
 from __future__ import annotations
 
@@ -141,3 +142,120 @@ def _inverse_fake(tokens, expert_token_num_per_rank, per_token_scales=None,
                  (tokens, expert_token_num_per_rank, per_token_scales, expert_topk_weight),
                  tokens_dtype=tokens_dtype,
                  **_bridge.inverse_attributes(expert_alignment, allow_spare_rows))
+
+
+
+
+# ---- torch.vmap: the layout once for a batch that shares its counts ----
+#
+# The layout depends only on the counts, so with counts shared by the batch
+# one call makes it, on the shared inputs (and, where tokens are batched, on a
+# one-element column of the first entry's tokens, which keeps the dtype pairing
+# of the shared scales), and each batched tensor's rows are then gathered by
+# its gather index at once for every entry, pad and unset rows zero. Each
+# entry is first checked by the core's shape rules, so vmap raises what a call
+# of one entry raises. Counts batched too give a call per entry; a batch of
+# none gives empty outputs of the entries' specs.
+
+
+_GATHER, _SCATTER = 0, 1  # idx_type (spec rule 9)
+
+
+def _bytes(tensor):
+    """One-byte tensors as uint8: torch has no copy kernel for float4_e2m1fn_x2."""
+    return tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
+
+
+def _gathered(tensor, dim, index):
+    """Rows index[r] of every entry of `tensor` (batched at `dim`), zero where
+    index[r] < 0; the batch stays at `dim`. One index_select of whole rows
+    (torch's fast path), over entries side by side in each row, or, for a
+    batch in front, over the entries' rows one after another."""
+    data = _bytes(tensor)
+    source = index.clamp(min=0).long()
+    if dim == 0:  # entry b's row i is row b * A + i of [B * A, rest]
+        batch, rows = data.shape[:2]
+        source = (torch.arange(batch, device=source.device)[:, None] * rows + source).flatten()
+        gathered = data.reshape(batch * rows, -1).index_select(0, source)
+        gathered = gathered.reshape(batch, index.shape[0], *data.shape[2:])
+    else:  # [A, ...]: the entries side by side in each row
+        gathered = data.reshape(data.shape[0], -1).index_select(0, source)
+        gathered = gathered.reshape(index.shape[0], *data.shape[1:])
+    gathered.index_fill_(1 if dim == 0 else 0, (index < 0).nonzero().flatten(), 0)
+    return gathered.view(tensor.dtype)
+
+
+def _per_entry(op, info, in_dims, args):
+    """`op` on each entry in turn, the outputs stacked."""
+    entries = [op(*(a if d is None else a.select(d, b) for a, d in zip(args, in_dims)))
+               for b in range(info.batch_size)]
+    return tuple(torch.stack(column) for column in zip(*entries)), (0,) * len(entries[0])
+
+
+def _vmap_rule(op, defaults, infer, attributes_of, gather_index, data_outputs):
+    """The vmap rule of `op` (tokens, counts, scales, weight, then its
+    attributes, tokens_dtype third from last; `defaults` from scales on, for
+    the trailing arguments the dispatcher leaves out at their defaults).
+    `infer` with `attributes_of(attributes)` checks one entry as the operator
+    does; `gather_index(tokens, counts, outputs, attributes)` is the row of
+    each output row's source (-1: none); `data_outputs` are the outputs of
+    tokens, scales and weight."""
+    def rule(info, in_dims, *args):
+        args = (*args, *defaults[len(args) - 2:])
+        in_dims = tuple(d if d is None or d >= 0 else d + a.dim()
+                        for a, d in zip(args, (*in_dims, *[None] * (len(args) - len(in_dims)))))
+        tensors, dims, attributes = args[:4], in_dims[:4], args[4:]
+        if info.batch_size == 0:  # the entries' outputs by their specs, none of them
+            entry = [None if t is None else torch.empty(
+                t.shape if d is None else t.shape[:d] + t.shape[d + 1:], dtype=t.dtype,
+                device="meta") for t, d in zip(tensors, dims)]
+            specs = _fake(infer, entry, **attributes_of(attributes))
+            return (tuple(tensors[0].new_empty((0, *o.shape), dtype=o.dtype) for o in specs),
+                    (0,) * len(specs))
+        if dims[1] is not None:
+            return _per_entry(op, info, in_dims, args)
+        entry = [t if d is None else t.select(d, 0) for t, d in zip(tensors, dims)]
+        _infer(infer, entry, **attributes_of(attributes))
+        shared_tokens = (entry[0] if dims[0] is None else
+                         _bytes(entry[0])[:, :1].contiguous().view(entry[0].dtype))
+        outputs = list(op(shared_tokens, tensors[1], *(t if d is None else None
+                                                       for t, d in zip(tensors[2:], dims[2:])),
+                          *attributes))
+        index = gather_index(entry[0], tensors[1], outputs, attributes)
+        out_dims = [None] * len(outputs)
+        for slot, output in zip((0, 2, 3), data_outputs):
+            if dims[slot] is not None:
+                outputs[output] = _gathered(tensors[slot], dims[slot], index)
+                out_dims[output] = dims[slot]
+        return tuple(outputs), tuple(out_dims)
+    return rule
+
+
+def _index(num_rows, counts, idx_type, expert_alignment, allow_spare_rows):
+    """The forward's permute_token_idx for `num_rows` rows (from a call on one
+    byte a row)."""
+    rows = torch.empty(num_rows, 1, dtype=torch.uint8, device=counts.device)
+    return OPS.moe_re_routing.default(rows, counts, None, None, 1, idx_type, None,
+                                      expert_alignment, allow_spare_rows)[2]
+
+
+def _forward_gather_index(tokens, counts, outputs, attributes):
+    idx_type, expert_alignment, allow_spare_rows = attributes[1], *attributes[3:]
+    if idx_type == _GATHER:
+        return outputs[2]
+    return _index(tokens.shape[0], counts, _GATHER, expert_alignment, allow_spare_rows)
+
+
+def _inverse_gather_index(tokens, counts, outputs, attributes):
+    # Each restored row comes from where the forward scatters it.
+    return _index(outputs[0].shape[0], counts, _SCATTER, *attributes[1:])
+
+
+torch.library.register_vmap("moe_reroute::moe_re_routing", _vmap_rule(
+    OPS.moe_re_routing.default, (None, None, 1, 0, None, 1, False), _core.infer_reroute,
+    lambda a: dict(tokens_dtype=a[2], **_bridge.attributes(a[0], a[1], a[3], a[4])),
+    _forward_gather_index, (0, 1, 4)))
+torch.library.register_vmap("moe_reroute::moe_re_routing_inverse", _vmap_rule(
+    OPS.moe_re_routing_inverse.default, (None, None, None, 1, False), _core.infer_inverse,
+    lambda a: dict(tokens_dtype=a[0], **_bridge.inverse_attributes(a[1], a[2])),
+    _inverse_gather_index, (0, 1, 2)))

@@ -110,7 +110,9 @@ def byte_rows(array) -> np.ndarray:
     """[dim 0, bytes per row] uint8 copy of an array or tensor."""
     if isinstance(array, torch.Tensor):
         itemsize = array.element_size()
-        flat = array.detach().contiguous().view(torch.uint8).reshape(-1).numpy()
+        # One-byte dtypes as uint8 first: torch cannot copy float4_e2m1fn_x2.
+        data = array.detach().view(torch.uint8) if itemsize == 1 else array.detach()
+        flat = data.contiguous().view(torch.uint8).reshape(-1).numpy()
     else:
         itemsize = array.itemsize
         flat = np.ascontiguousarray(array).view(np.uint8).reshape(-1)

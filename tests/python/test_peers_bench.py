@@ -28,6 +28,9 @@ ROWS = {
               "torch.ops.moe_reroute.moe_re_routing", "torch.ops.moe_reroute.moe_re_routing_out"],
     "prefill": ["clone (tokens, scales, weight)", "moe_reroute (torch)", "moe_reroute (numpy)",
                 "numpy fancy index"],
+    "vmap": ["torch.vmap(torch.index_select)", "torch.vmap(moe_reroute.moe_re_routing)",
+             "moe_re_routing per entry, stacked", "torch.func.jacrev(torch.index_select)",
+             "torch.func.jacrev(moe_reroute.moe_re_routing)"],
 }
 
 

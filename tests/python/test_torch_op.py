@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -697,13 +698,139 @@ def test_func_jacrev_grad_and_per_sample_grad_follow_the_reference_permutation()
     torch.testing.assert_close(per_sample, 2 * batch, rtol=0, atol=0)
 
 
-def test_vmap_runs_each_batch_entry():
-    tokens, counts, _, _ = workload(30, seed=13, tokens_dtype=torch.float32)
-    batch = torch.stack([tokens, -tokens])
-    batched = torch.vmap(lambda t: OPS.moe_re_routing(t, counts)[0])(batch)
-    for entry, got in zip(batch, batched):
-        np.testing.assert_array_equal(rows(got), reference.reroute(rows(entry),
-                                                                   counts.numpy())[0])
+# ---- torch.vmap ----
+
+# (token dtype, bytes per entry row of tokens, scales entry shape after A, scales dtype)
+VMAP_DTYPES = [
+    (torch.float32, 24, (), torch.float32),
+    (torch.bfloat16, 16, (3,), torch.float32),
+    (torch.int8, 8, (), torch.float32),
+    (torch.float8_e4m3fn, 8, (2, 2), torch.float8_e8m0fnu),
+    (torch.float4_e2m1fn_x2, 4, (3,), torch.uint8),  # uint8 scales read as float8_e8m0
+]
+
+
+def random_of(rng, dtype, shape):
+    """Random bytes of `dtype` (finite for float32 and bfloat16)."""
+    if dtype in (torch.float32, torch.bfloat16):
+        return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32)).to(dtype)
+    size = torch.empty(0, dtype=dtype).element_size()
+    data = rng.integers(0, 256, (*shape[:-1], shape[-1] * size) if shape else (size,), np.uint8)
+    return torch.from_numpy(data).view(dtype).reshape(shape)
+
+
+def batched(rng, entries, batch_size):
+    """`entries` ([B, ...]) batched at a random dim, or None for an entry shared
+    by the batch (entry 0 then stands for every entry); the tensor and its dim."""
+    dim = rng.choice([None, 0, 1, -1])
+    if dim is None:
+        return entries[0], None
+    return entries.movedim(0, int(dim)), int(dim)
+
+
+def entry_of(tensor, dim, b):
+    return tensor if tensor is None or dim is None else tensor.select(dim, b)
+
+
+def vmap_inputs(seed, inverse=False):
+    rng = np.random.default_rng(seed)
+    dtype, row_bytes, scale_rest, scale_dtype = VMAP_DTYPES[seed % len(VMAP_DTYPES)]
+    batch_size = int(rng.integers(1, 4))
+    alignment = int(rng.choice([1, 3]))
+    spare = not inverse and bool(rng.integers(0, 2))
+    counts = torch.from_numpy(reference.random_counts(rng))
+    valid = int(counts.sum())
+    num_rows = valid + (int(rng.integers(1, 4)) if spare else 0)
+    if inverse:
+        num_rows = reference.rows_out(valid, counts.shape[1], alignment)
+    width = row_bytes // torch.empty(0, dtype=dtype).element_size()
+    while True:  # at least one input batched
+        drawn = [batched(rng, random_of(rng, d, (batch_size, num_rows, *rest)), batch_size)
+                 for d, rest in ((dtype, (width,)), (scale_dtype, scale_rest),
+                                 (torch.float32, (1,) if rng.integers(0, 2) else ()))]
+        if any(dim is not None for _, dim in drawn):
+            break
+    attributes = dict(expert_alignment=alignment, allow_spare_rows=spare)
+    if not inverse:
+        attributes |= dict(idx_type=int(rng.integers(0, 2)),
+                           expert_token_num_type=int(rng.integers(0, 2)))
+    return batch_size, counts, drawn, attributes
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_vmap_moves_every_entry_as_the_reference_by_one_layout(seed):
+    """Counts shared by the batch: vmap over any of tokens, scales and weights,
+    at any dim, gives each entry what the reference gives it, byte for byte,
+    from one call of the operator (two for a scatter index), whatever the
+    batch size, without torch's batching fallback."""
+    batch_size, counts, drawn, attributes = vmap_inputs(seed)
+    (tokens, tokens_dim), (scales, scales_dim), (weight, weight_dim) = drawn
+    with DispatchSeen() as mode, warnings.catch_warnings():
+        warnings.simplefilter("error")  # the fallback warns of its speed
+        got = torch.vmap(lambda t, s, w: moe_reroute.moe_re_routing(
+            t, counts, per_token_scales=s, expert_topk_weight=w, **attributes),
+            in_dims=(tokens_dim, scales_dim, weight_dim))(tokens, scales, weight)
+    calls = [f for f in mode.functions if f is OPS.moe_re_routing.default]
+    assert len(calls) == 1 + (attributes["idx_type"] == 1)
+    for b in range(batch_size):
+        check_forward([output[b] for output in got], entry_of(tokens, tokens_dim, b), counts,
+                      entry_of(scales, scales_dim, b), entry_of(weight, weight_dim, b),
+                      **attributes)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_vmap_of_the_inverse_restores_every_entry_as_the_reference(seed):
+    batch_size, counts, drawn, attributes = vmap_inputs(seed, inverse=True)
+    (tokens, tokens_dim), (scales, scales_dim), (weight, weight_dim) = drawn
+    with DispatchSeen() as mode, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = torch.vmap(lambda t, s, w: moe_reroute.moe_re_routing_inverse(
+            t, counts, per_token_scales=s, expert_topk_weight=w, **attributes),
+            in_dims=(tokens_dim, scales_dim, weight_dim))(tokens, scales, weight)
+    # The inverse on the shared inputs, the forward for the index.
+    assert [f for f in mode.functions if f in (OPS.moe_re_routing.default,
+                                                OPS.moe_re_routing_inverse.default)] == [
+        OPS.moe_re_routing_inverse.default, OPS.moe_re_routing.default]
+    for b in range(batch_size):
+        entry = [entry_of(t, d, b) for t, d in drawn]
+        expected = reference.inverse(*(rows(t) for t in entry[:1]), counts.numpy(),
+                                     *(rows(t) for t in entry[1:]),
+                                     expert_alignment=attributes["expert_alignment"])
+        for output, given, want in zip(got, entry, expected):
+            assert output[b].dtype == given.dtype and output[b].shape[1:] == given.shape[1:]
+            np.testing.assert_array_equal(rows(output[b]), want)
+
+
+def test_vmap_over_counts_runs_each_entry_with_its_own_layout():
+    tokens, counts, scales, weight = workload(30, seed=13, tokens_dtype=torch.float32)
+    batch_counts = torch.stack([counts, counts.flip(0), counts.flip(1)])
+    batch_tokens = torch.stack([tokens, -tokens, 2 * tokens])
+    got = torch.vmap(lambda t, c: moe_reroute.moe_re_routing(
+        t, c, per_token_scales=scales, expert_topk_weight=weight))(batch_tokens, batch_counts)
+    for b in range(3):
+        check_forward([output[b] for output in got], batch_tokens[b], batch_counts[b], scales,
+                      weight)
+
+
+def test_vmap_of_an_empty_batch_gives_empty_outputs_of_each_entry_spec():
+    tokens, counts, scales, _ = workload(30, seed=17, tokens_dtype=torch.bfloat16)
+    expected = moe_reroute.moe_re_routing(tokens, counts, per_token_scales=scales,
+                                          expert_alignment=4)
+    got = torch.vmap(lambda t: moe_reroute.moe_re_routing(
+        t, counts, per_token_scales=scales, expert_alignment=4))(tokens[None][:0])
+    assert [(o.dtype, tuple(o.shape)) for o in got] == [
+        (e.dtype, (0, *e.shape)) for e in expected]
+
+
+def test_vmap_refuses_a_bad_entry_as_a_call_of_that_entry():
+    tokens, counts, scales, _ = workload(30, seed=18, tokens_dtype=torch.float32)
+    batch = torch.stack([tokens, tokens])
+    with pytest.raises(ValueError) as eager:
+        moe_reroute.moe_re_routing(tokens, counts, per_token_scales=scales[:29])
+    with pytest.raises(ValueError) as mapped:
+        torch.vmap(lambda t: moe_reroute.moe_re_routing(t, counts,
+                                                        per_token_scales=scales[:29]))(batch)
+    assert str(mapped.value) == str(eager.value)
 
 
 def test_backward_refuses_counts_changed_in_place_and_a_second_pass():
