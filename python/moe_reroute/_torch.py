@@ -168,9 +168,10 @@ def _bytes(tensor):
 
 def _gathered(tensor, dim, index):
     """Rows index[r] of every entry of `tensor` (batched at `dim`), zero where
-    index[r] < 0; the batch stays at `dim`. One index_select of whole rows
-    (torch's fast path), over entries side by side in each row, or, for a
-    batch in front, over the entries' rows one after another."""
+    index[r] < 0 (masked, so no host sync on CUDA); the batch stays at `dim`.
+    One index_select of whole rows (torch's fast path), over entries side by
+    side in each row, or, for a batch in front, over the entries' rows one
+    after another."""
     data = _bytes(tensor)
     source = index.clamp(min=0).long()
     if dim == 0:  # entry b's row i is row b * A + i of [B * A, rest]
@@ -181,8 +182,9 @@ def _gathered(tensor, dim, index):
     else:  # [A, ...]: the entries side by side in each row
         gathered = data.reshape(data.shape[0], -1).index_select(0, source)
         gathered = gathered.reshape(index.shape[0], *data.shape[1:])
-    gathered.index_fill_(1 if dim == 0 else 0, (index < 0).nonzero().flatten(), 0)
-    return gathered.view(tensor.dtype)
+    rows_dim = 1 if dim == 0 else 0
+    unset = (index < 0).view([-1 if d == rows_dim else 1 for d in range(gathered.dim())])
+    return gathered.masked_fill_(unset, 0).view(tensor.dtype)
 
 
 def _per_entry(op, info, in_dims, args):
