@@ -144,8 +144,6 @@ def _inverse_fake(tokens, expert_token_num_per_rank, per_token_scales=None,
                  **_bridge.inverse_attributes(expert_alignment, allow_spare_rows))
 
 
-
-
 # ---- torch.vmap: the layout once for a batch that shares its counts ----
 #
 # The layout depends only on the counts, so with counts shared by the batch
