@@ -9,10 +9,10 @@
 
 #include <ATen/Context.h>
 #include <ATen/DeviceAccelerator.h>
+#include <ATen/EmptyTensor.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/csrc/autograd/function.h>
@@ -183,17 +183,9 @@ Tensor empty(c10::IntArrayRef dims, c10::ScalarType type, const c10::Device& dev
       (context.deterministicAlgorithms() && context.deterministicFillUninitializedMemory())) {
     return at::empty(dims, at::TensorOptions().dtype(type).device(device));
   }
-  c10::Allocator* const allocator = output_allocator();
-  c10::DataPtr memory = allocator->allocate(static_cast<std::size_t>(c10::multiply_integers(dims)) *
-                                            c10::elementSize(type));
-  void* const data = memory.get();
-  const c10::DeleterFnPtr deleter = memory.get_deleter();
-  return at::for_blob(data, dims)
-      .context(memory.release_context(), deleter)
-      .options(at::TensorOptions().dtype(type))
-      .allocator(allocator)  // a storage that grows (resize_) takes its memory here too
-      .resizeable_storage()
-      .make_tensor();
+  // A storage that grows (resize_) takes its memory from the same allocator.
+  return at::detail::empty_generic(dims, output_allocator(),
+                                   c10::DispatchKeySet(c10::DispatchKey::CPU), type, std::nullopt);
 }
 
 // An output with `spec`'s rows stored like `input`, or, without an input, with
