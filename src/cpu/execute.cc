@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <optional>
+#include <span>
 #include <string>
 
 #include "../check.h"
@@ -28,19 +29,24 @@ struct RowStream {
   std::int64_t row_bytes = 0;
   bool streaming = false;  // write around the cache (see copy_bytes)
 
-  void move(const Chunk& chunk) const {
+  // A whole slice per call: at decode size a chunk is a row or two, and the
+  // per-stream checks made per chunk cost 0.2 us of a 2 us run at H = 8.
+  void move(std::span<const Chunk> chunks) const {
     if (row_bytes == 0) return;
-    std::byte* to = static_cast<std::byte*>(dst) + chunk.dst_row * row_bytes;
-    const std::size_t bytes = static_cast<std::size_t>(chunk.num_rows * row_bytes);
-    if (chunk.src_row == kPadRows) {
-      // Pad rows are never read back here and at k = 128 can outweigh the valid
-      // rows several times: zeros around the cache skip the read for ownership.
-      detail::zero_bytes(to, bytes, /*stream=*/true);
-    } else if (src == nullptr) {
-      std::memset(to, 0, bytes);
-    } else {
-      detail::copy_bytes(to, static_cast<const std::byte*>(src) + chunk.src_row * row_bytes, bytes,
-                         streaming);
+    auto* const out = static_cast<std::byte*>(dst);
+    const auto* const in = static_cast<const std::byte*>(src);
+    for (const Chunk& chunk : chunks) {
+      std::byte* const to = out + chunk.dst_row * row_bytes;
+      const std::size_t bytes = static_cast<std::size_t>(chunk.num_rows * row_bytes);
+      if (chunk.src_row == kPadRows) {
+        // Pad rows are never read back here and at k = 128 can outweigh the valid
+        // rows several times: zeros around the cache skip the read for ownership.
+        detail::zero_bytes(to, bytes, /*stream=*/true);
+      } else if (in == nullptr) {
+        std::memset(to, 0, bytes);
+      } else {
+        detail::copy_bytes(to, in + chunk.src_row * row_bytes, bytes, streaming);
+      }
     }
   }
 };
@@ -52,16 +58,16 @@ void* data_of(const std::optional<TensorView>& view) { return view ? view->data 
 // forked), so such a child runs every slice on its one thread.
 std::atomic<bool> forked_after_parallel{false};
 
-// Runs `body(chunk)` over every chunk of the plan, one planned slice per thread.
+// Runs `body(chunks)` on each thread's planned slice of the chunks.
 template <typename Body>
-void for_each_chunk(const Plan& plan, const Body& body) {
+void for_each_slice(const Plan& plan, const Body& body) {
   const int num_threads = plan.num_threads();
   const std::vector<Chunk>& chunks = plan.chunks();
   const std::vector<std::int64_t>& thread_begin = plan.thread_begin();
   const auto slice = [&](int t) {
-    for (std::int64_t c = thread_begin[t]; c < thread_begin[t + 1]; ++c) {
-      body(chunks[static_cast<std::size_t>(c)]);
-    }
+    body(std::span<const Chunk>(chunks).subspan(
+        static_cast<std::size_t>(thread_begin[t]),
+        static_cast<std::size_t>(thread_begin[t + 1] - thread_begin[t])));
     detail::stream_fence();
   };
   // One thread runs here: libgomp's region costs a futex syscall even for a
@@ -114,6 +120,22 @@ void fill_unset(void* index, std::int64_t begin, std::int64_t end) {
   }
 }
 
+// The index entries of `chunks`: the gather index maps each output row to its
+// source row (-1 for pad rows), the scatter index each source row to its output row.
+void write_index(std::span<const Chunk> chunks, void* index, bool gather) {
+  for (const Chunk& chunk : chunks) {
+    if (chunk.src_row == kPadRows) {
+      if (gather) fill_unset(index, chunk.dst_row, chunk.dst_row + chunk.num_rows);
+      continue;
+    }
+    const std::int64_t from = gather ? chunk.src_row : chunk.dst_row;
+    const std::int64_t to = gather ? chunk.dst_row : chunk.src_row;
+    for (std::int64_t k = 0; k < chunk.num_rows; ++k) {
+      detail::store(index, to + k, static_cast<std::int32_t>(from + k));
+    }
+  }
+}
+
 }  // namespace
 
 std::int64_t last_level_cache_bytes() {
@@ -163,19 +185,11 @@ void move_reroute(const Plan& plan, const RerouteInputs& inputs, const RerouteOu
   void* index = outputs.permute_token_idx.data;
   const bool gather = plan.attributes().idx_type == kIdxGather;
 
-  for_each_chunk(plan, [&](const Chunk& chunk) {
-    tokens.move(chunk);
-    scales.move(chunk);
-    weight.move(chunk);
-    if (chunk.src_row == kPadRows) {
-      if (gather) fill_unset(index, chunk.dst_row, chunk.dst_row + chunk.num_rows);
-      return;
-    }
-    const std::int64_t from = gather ? chunk.src_row : chunk.dst_row;
-    const std::int64_t to = gather ? chunk.dst_row : chunk.src_row;
-    for (std::int64_t k = 0; k < chunk.num_rows; ++k) {
-      detail::store(index, to + k, static_cast<std::int32_t>(from + k));
-    }
+  for_each_slice(plan, [&](std::span<const Chunk> chunks) {
+    tokens.move(chunks);
+    scales.move(chunks);
+    weight.move(chunks);
+    write_index(chunks, index, gather);
   });
   // Gather: -1 at the tail rows; scatter: -1 for the spare rows.
   fill_unset(index, gather ? plan.num_padded_rows() : plan.num_valid_rows(),
@@ -202,10 +216,10 @@ void move_inverse(const Plan& plan, const InverseInputs& inputs, const InverseOu
                          stream};
   const RowStream weight{data_of(inputs.expert_topk_weight),
                          data_of(outputs.restored_topk_weight), plan.weight_row_bytes(), stream};
-  for_each_chunk(plan, [&](const Chunk& chunk) {
-    tokens.move(chunk);
-    scales.move(chunk);
-    weight.move(chunk);
+  for_each_slice(plan, [&](std::span<const Chunk> chunks) {
+    tokens.move(chunks);
+    scales.move(chunks);
+    weight.move(chunks);
   });
 }
 
