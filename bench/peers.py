@@ -35,8 +35,12 @@ where the tensors and outputs lie in memory differs from process to process,
 and at decode that moves a ratio by more than anything left in the call does
 (docs/benchmarks.md).
 
+--hidden H sets the H of every table but vmap (default 7168): --hidden 8
+leaves the bytes out, so that the decode tables show each call's fixed cost
+at decode's counts.
+
     python bench/peers.py [--repeats N] [--only overhead|decode|loops|prefill|vmap]
-                          [--allocator default|thp|both] [--processes N]
+                          [--allocator default|thp|both] [--processes N] [--hidden H]
 """
 
 from __future__ import annotations
@@ -371,7 +375,8 @@ def across_processes(args):
         for allocator in allocators:
             for _ in range(args.processes):
                 argv = [sys.executable, __file__, "--repeats", str(args.repeats),
-                        "--allocator", allocator, "--record", str(record)]
+                        "--hidden", str(args.hidden), "--allocator", allocator,
+                        "--record", str(record)]
                 sys.stdout.flush()
                 if subprocess.call(argv + (["--only", args.only] if args.only else [])) != 0:
                     raise SystemExit("a benchmark process failed")
@@ -391,20 +396,23 @@ def across_processes(args):
 
 
 def main():
-    global RECORD
+    global HIDDEN, RECORD
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--only", choices=("overhead", "decode", "loops", "prefill", "vmap"))
     parser.add_argument("--allocator", choices=("default", "thp", "both"), default="both")
     parser.add_argument("--processes", type=int, default=1)
+    parser.add_argument("--hidden", type=int, default=HIDDEN)
     parser.add_argument("--record", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.processes < 1:
         parser.error("--processes: must be >= 1")
+    if args.hidden < 1:
+        parser.error("--hidden: must be >= 1")
     if args.processes > 1:
         across_processes(args)
         return
-    RECORD = args.record
+    HIDDEN, RECORD = args.hidden, args.record
     thp = os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
     if args.allocator == "thp" and not thp:
         env = os.environ | {"THP_MEM_ALLOC_ENABLE": "1"}

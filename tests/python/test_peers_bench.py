@@ -34,6 +34,19 @@ ROWS = {
 }
 
 
+def assert_rows(out, table):
+    """`out` has `table` with every row and its four figures; returns its title."""
+    assert f"\n{table}: " in out
+    # The table's own lines: from its title to the blank line after it.
+    section = out[out.index(f"\n{table}: "):].split("\n\n")[0]
+    for name in ROWS[table]:
+        row = re.search(rf"^\| {re.escape(name)} +\|(.*)\|$", section, re.MULTILINE)
+        assert row, f"{table}: no row {name!r}"
+        figures = [float(cell) for cell in row.group(1).split("|")]
+        assert len(figures) == 4 and all(f > 0 for f in figures), row.group(0)
+    return section.splitlines()[1]
+
+
 def test_every_table_verifies_and_prints_each_row():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--repeats", "1", "--allocator", "default"],
                           capture_output=True, text=True, timeout=600)
@@ -47,15 +60,8 @@ def test_every_table_verifies_and_prints_each_row():
     text = cpuinfo.read_text() if cpuinfo.exists() else ""
     if "model name" in text:
         assert header.group(1) in text
-    for table, names in ROWS.items():
-        assert f"\n{table}: " in out
-        # The table's own lines: from its title to the blank line after it.
-        section = out[out.index(f"\n{table}: "):].split("\n\n")[0]
-        for name in names:
-            row = re.search(rf"^\| {re.escape(name)} +\|(.*)\|$", section, re.MULTILINE)
-            assert row, f"{table}: no row {name!r}"
-            figures = [float(cell) for cell in row.group(1).split("|")]
-            assert len(figures) == 4 and all(f > 0 for f in figures), row.group(0)
+    for table in ROWS:
+        assert_rows(out, table)
     idle = out[out.index("after 3 s idle"):]
     assert re.search(r"moe_reroute \(torch\): [0-9.]+ ms, [0-9.]+x its median", idle)
 
@@ -77,3 +83,12 @@ def test_processes_summarize_each_row_across_fresh_processes():
         assert row.group(2) == sorted(ratios, key=float)[1]  # the middle one, as printed
     assert re.search(r"^\| default +\| overhead +\| torch\.index_select +\| 1\.00 1\.00 1\.00 ",
                      summary, re.MULTILINE), summary
+
+
+def test_hidden_sets_the_tables_h():
+    # --hidden 8: the decode tables at decode's counts, with almost no bytes.
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--repeats", "1", "--allocator", "default",
+                           "--only", "loops", "--hidden", "8"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert assert_rows(proc.stdout, "loops").startswith("loops: A=256 bf16 H=8, ")
