@@ -11,8 +11,8 @@ of the same bytes), all in one process, contenders interleaved call by call
   called through torch.ops too (torch.ops.aten.index_select.default), which
   shows what torch.ops' Python layer costs any operator;
 - decode: A = 256 bf16 H = 7168, float32 scales [A] and weights [A, 1],
-  against index_select of the tokens alone, with and without out= (and the
-  NumPy call beside fancy indexing of the tokens);
+  against index_select of the tokens alone (and the NumPy call beside fancy
+  indexing of the tokens);
 - loops: decode again, in blocks of back-to-back calls of one contender
   (the public function and the ops with fresh outputs and with out=,
   index_select with and without out=), as a caller looping over one operator
@@ -240,9 +240,6 @@ def decode(repeats):
     out = poisoned_like(result)
     moe_reroute.moe_re_routing(tokens, counts, **kwargs, out=out)
     check("decode (out=)", out, result)
-    (selected,) = poisoned_like([tokens])
-    torch.index_select(tokens, 0, index, out=selected)
-    check("decode (index_select out=)", [selected], [result[0]])
     np_tokens, np_counts = numpy_of(tokens, counts)
     np_kwargs = dict(per_token_scales=scales.numpy(), expert_topk_weight=weight.numpy(),
                      tokens_dtype="bfloat16")
@@ -252,8 +249,6 @@ def decode(repeats):
     times = timings_us({
         "torch.index_select (tokens)": lambda: torch.index_select(tokens, 0, index),
         "torch.ops.aten.index_select.default": lambda: ATEN_INDEX_SELECT(tokens, 0, index),
-        "torch.index_select (tokens) out=": lambda: torch.index_select(tokens, 0, index,
-                                                                       out=selected),
         "moe_reroute (tokens, scales, weight)": lambda: moe_reroute.moe_re_routing(
             tokens, counts, **kwargs),
         "moe_reroute out=": lambda: moe_reroute.moe_re_routing(tokens, counts, **kwargs, out=out),

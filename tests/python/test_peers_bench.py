@@ -20,7 +20,7 @@ ROWS = {
                  "torch.ops.moe_reroute.moe_re_routing (requires grad)", "numpy fancy index",
                  "moe_reroute.moe_re_routing (numpy)"],
     "decode": ["torch.index_select (tokens)", "torch.ops.aten.index_select.default",
-               "torch.index_select (tokens) out=", "moe_reroute (tokens, scales, weight)",
+               "moe_reroute (tokens, scales, weight)",
                "moe_reroute out=", "megatron split+cat", "numpy fancy index (tokens)",
                "moe_reroute (numpy)"],
     "loops": ["torch.index_select (tokens)", "torch.index_select (tokens) out=",
