@@ -17,6 +17,9 @@ of the same bytes), all in one process, contenders interleaved call by call
   (the public function and the ops with fresh outputs and with out=,
   index_select with and without out=), as a caller looping over one operator
   sees it;
+- cold: the loops table's contenders interleaved, each call after a read of
+  256 MiB that empties the caches, as a model's decode step sees it between
+  layers;
 - prefill: A = 16384 int8 H = 7168 with scales and weights, against clone of
   the same three tensors (fresh outputs every call, as in a model);
 - vmap: torch.vmap over 256 entries that share their counts (A = 64 float32,
@@ -39,7 +42,7 @@ and at decode that moves a ratio by more than anything left in the call does
 leaves the bytes out, so that the decode tables show each call's fixed cost
 at decode's counts.
 
-    python bench/peers.py [--repeats N] [--only overhead|decode|loops|prefill|vmap]
+    python bench/peers.py [--repeats N] [--only overhead|decode|loops|cold|prefill|vmap]
                           [--allocator default|thp|both] [--processes N] [--hidden H]
 """
 
@@ -104,10 +107,11 @@ def summary_us(fns, timed_ns):
             for name, t in timed_ns(clock).items()}
 
 
-def timings_us(fns, repeats):
+def timings_us(fns, repeats, before_each=lambda: None):
     """name -> (median, slowest, first) microseconds of fns[name](): the
     contenders interleaved call by call so that a change in load hits all of
-    them, timed after WARMUP_CALLS calls each, the first of which is reported."""
+    them, timed after WARMUP_CALLS calls each, the first of which is reported;
+    `before_each()` runs, untimed, before each timed call."""
     def interleaved(clock):
         for _ in range(WARMUP_CALLS - 1):
             for fn in fns.values():
@@ -119,6 +123,7 @@ def timings_us(fns, repeats):
             # frees decide where the allocator puts the next outputs).
             shift = round_ % len(order)
             for name, fn in order[shift:] + order[:shift]:
+                before_each()
                 start = clock()
                 fn()
                 times[name].append(clock() - start)
@@ -264,9 +269,10 @@ def decode(repeats):
                 f"median of {repeats}", times, "torch.index_select (tokens)")
 
 
-def decode_loops(blocks=7, calls=300):
-    """Decode in own loops (block_timings_us): the public function and each
-    op at its torch.ops overload, fresh outputs and out= beside index_select's."""
+def decode_contenders():
+    """The loops and cold tables' contenders, each checked: the public
+    function and each op at its torch.ops overload, fresh outputs and out=
+    beside index_select's."""
     tokens, counts, scales, weight, kwargs, index, result = checked_workload(256, torch.bfloat16)
     out = poisoned_like(result)
     (selected,) = poisoned_like([tokens])
@@ -285,12 +291,30 @@ def decode_loops(blocks=7, calls=300):
     }
     for fn in fns.values():
         fn()
-    check("loops (out=)", (selected, out[0], out[1], out[4], out[2], out[3]),
+    check("decode contenders (out=)", (selected, out[0], out[1], out[4], out[2], out[3]),
           [torch.index_select(t, 0, index) for t in (tokens, tokens, scales, weight)]
           + [result[2], result[3]])
-    times = block_timings_us(fns, blocks, calls)
+    return fns
+
+
+def decode_loops(blocks=7, calls=300):
+    """Decode in own loops (block_timings_us)."""
+    times = block_timings_us(decode_contenders(), blocks, calls)
     print_table(f"loops: A=256 bf16 H={HIDDEN}, f32 scales [A], weights [A,1], median of "
                 f"{blocks} blocks of {calls} calls (slowest: the slowest block)", times,
+                "torch.index_select (tokens)")
+
+
+def decode_cold(repeats, flush_mib=256):
+    """Decode with the caches emptied before each call by a read of
+    `flush_mib` MiB (not timed; read, so that nothing dirty is written back
+    during the call), as between a model's layers, whose weights stream
+    through the caches: neither the calls before nor where the outputs lie
+    against the tokens decides it."""
+    scratch = torch.ones(flush_mib << 20, dtype=torch.uint8)
+    times = timings_us(decode_contenders(), repeats, before_each=scratch.max)
+    print_table(f"cold: A=256 bf16 H={HIDDEN}, f32 scales [A], weights [A,1], caches emptied "
+                f"(a read of {flush_mib} MiB) before each call, median of {repeats}", times,
                 "torch.index_select (tokens)")
 
 
@@ -399,7 +423,8 @@ def main():
     global HIDDEN, RECORD
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=40)
-    parser.add_argument("--only", choices=("overhead", "decode", "loops", "prefill", "vmap"))
+    parser.add_argument("--only",
+                        choices=("overhead", "decode", "loops", "cold", "prefill", "vmap"))
     parser.add_argument("--allocator", choices=("default", "thp", "both"), default="both")
     parser.add_argument("--processes", type=int, default=1)
     parser.add_argument("--hidden", type=int, default=HIDDEN)
@@ -427,6 +452,8 @@ def main():
         decode(max(args.repeats, 500))
     if args.only in (None, "loops"):
         decode_loops()
+    if args.only in (None, "cold"):
+        decode_cold(max(args.repeats, 100))
     if args.only in (None, "prefill"):
         prefill(args.repeats)
     if args.only in (None, "vmap"):

@@ -6,6 +6,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -32,6 +33,7 @@ ROWS = {
              "moe_re_routing per entry, stacked", "torch.func.jacrev(torch.index_select)",
              "torch.func.jacrev(moe_reroute.moe_re_routing)"],
 }
+ROWS["cold"] = ROWS["loops"]  # the same contenders, with the caches emptied before each call
 
 
 def assert_rows(out, table):
@@ -92,3 +94,25 @@ def test_hidden_sets_the_tables_h():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert assert_rows(proc.stdout, "loops").startswith("loops: A=256 bf16 H=8, ")
+
+
+def test_before_each_runs_untimed_before_every_timed_call():
+    # The cold table's flush: before each timed call, never inside its time.
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import peers
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    calls = []
+
+    def flush():
+        calls.append("flush")
+        time.sleep(0.05)
+
+    times = peers.timings_us({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+                             3, before_each=flush)
+    timed = calls[-12:]  # 3 rounds of the two contenders, each after a flush
+    assert timed[::2] == ["flush"] * 6
+    assert sorted(timed[1::2]) == ["a"] * 3 + ["b"] * 3
+    assert "flush" not in calls[:-12]  # not before the first and warm-up calls
+    assert all(median < 0.025e6 for median, _, _ in times.values()), times
