@@ -36,6 +36,15 @@ ROWS = {
 ROWS["cold"] = ROWS["loops"]  # the same contenders, with the caches emptied before each call
 
 
+def run_peers(*args):
+    """bench/peers.py's output with --repeats 1 --allocator default and
+    `args`; it must exit 0."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--repeats", "1", "--allocator", "default",
+                           *args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
 def assert_rows(out, table):
     """`out` has `table` with every row and its four figures; returns its title."""
     assert f"\n{table}: " in out
@@ -50,10 +59,7 @@ def assert_rows(out, table):
 
 
 def test_every_table_verifies_and_prints_each_row():
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--repeats", "1", "--allocator", "default"],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = proc.stdout
+    out = run_peers()
     # The header names the processor, as /proc/cpuinfo does.
     header = re.search(
         r"allocator: torch default \(moe_reroute [^,]+, torch [^,]+, (.+), \d+ CPUs", out)
@@ -69,11 +75,7 @@ def test_every_table_verifies_and_prints_each_row():
 
 
 def test_processes_summarize_each_row_across_fresh_processes():
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--repeats", "1", "--allocator", "default",
-                           "--only", "overhead", "--processes", "3"],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = proc.stdout
+    out = run_peers("--only", "overhead", "--processes", "3")
     assert out.count("\noverhead: ") == 3  # each process printed its own table
     summary = out[out.index("## ratio to each table's baseline in 3 processes"):]
     for name in ROWS["overhead"]:
@@ -89,11 +91,8 @@ def test_processes_summarize_each_row_across_fresh_processes():
 
 def test_hidden_sets_the_tables_h():
     # --hidden 8: the decode tables at decode's counts, with almost no bytes.
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--repeats", "1", "--allocator", "default",
-                           "--only", "loops", "--hidden", "8"],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert assert_rows(proc.stdout, "loops").startswith("loops: A=256 bf16 H=8, ")
+    out = run_peers("--only", "loops", "--hidden", "8")
+    assert assert_rows(out, "loops").startswith("loops: A=256 bf16 H=8, ")
 
 
 def test_before_each_runs_untimed_before_every_timed_call():
