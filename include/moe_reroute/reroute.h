@@ -123,6 +123,8 @@ class MOE_REROUTE_API Plan {
   /// [E]: the values written to expert_token_num (forward).
   const std::vector<std::int64_t>& expert_token_num() const { return expert_token_num_; }
   /// The work split: thread t moves chunks()[thread_begin()[t] .. thread_begin()[t+1]).
+  /// The chunks run in destination row order, each where the last ended, so a
+  /// thread's chunks write one contiguous run of destination rows.
   const std::vector<Chunk>& chunks() const { return chunks_; }
   const std::vector<std::int64_t>& thread_begin() const { return thread_begin_; }
   int num_threads() const { return static_cast<int>(thread_begin_.size()) - 1; }

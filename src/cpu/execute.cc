@@ -22,7 +22,8 @@ namespace moe_reroute {
 namespace {
 
 // Rows of `row_bytes` bytes moved from `src` (null: zeros) to `dst`; a
-// stream of 0-byte rows moves nothing.
+// stream of 0-byte rows moves nothing. `move` takes a thread's slice of the
+// chunks, whose destination rows are one contiguous run (Plan).
 struct RowStream {
   const void* src = nullptr;
   void* dst = nullptr;
@@ -32,9 +33,18 @@ struct RowStream {
   // A whole slice per call: at decode size a chunk is a row or two, and the
   // per-stream checks made per chunk cost 0.2 us of a 2 us run at H = 8.
   void move(std::span<const Chunk> chunks) const {
-    if (row_bytes == 0) return;
+    if (row_bytes == 0 || chunks.empty()) return;
     auto* const out = static_cast<std::byte*>(dst);
     const auto* const in = static_cast<const std::byte*>(src);
+    if (in == nullptr) {
+      // A slice's chunks are one run of destination rows: zero it at once
+      // rather than in a call per chunk (a row each at decode).
+      const std::int64_t begin = chunks.front().dst_row;
+      const std::int64_t end = chunks.back().dst_row + chunks.back().num_rows;
+      detail::zero_bytes(out + begin * row_bytes,
+                         static_cast<std::size_t>((end - begin) * row_bytes), streaming);
+      return;
+    }
     for (const Chunk& chunk : chunks) {
       std::byte* const to = out + chunk.dst_row * row_bytes;
       const std::size_t bytes = static_cast<std::size_t>(chunk.num_rows * row_bytes);
@@ -42,8 +52,6 @@ struct RowStream {
         // Pad rows are never read back here and at k = 128 can outweigh the valid
         // rows several times: zeros around the cache skip the read for ownership.
         detail::zero_bytes(to, bytes, /*stream=*/true);
-      } else if (in == nullptr) {
-        std::memset(to, 0, bytes);
       } else {
         detail::copy_bytes(to, in + chunk.src_row * row_bytes, bytes, streaming);
       }

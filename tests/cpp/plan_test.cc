@@ -63,7 +63,10 @@ std::vector<std::int64_t> rows_per_thread(const Plan& plan) {
 }
 
 // "" when every destination row is written by exactly one chunk, from the
-// source row the naive reference says, and threads own consecutive chunks.
+// source row the naive reference says, threads own consecutive chunks, and
+// the chunks run in destination order, each where the last ended (so that a
+// thread's chunks are one run of destination rows, which the CPU run zeroes
+// at once where a stream has no source).
 std::string split_difference(const Plan& plan, const std::vector<std::int32_t>& gather) {
   const bool forward = plan.direction() == Direction::kForward;
   std::vector<int> written(static_cast<std::size_t>(plan.num_tokens()), 0);
@@ -72,8 +75,14 @@ std::string split_difference(const Plan& plan, const std::vector<std::int32_t>& 
       !std::is_sorted(plan.thread_begin().begin(), plan.thread_begin().end())) {
     return "thread_begin does not partition the chunks";
   }
+  std::int64_t next_dst = 0;
   for (const Chunk& chunk : plan.chunks()) {
     if (chunk.num_rows <= 0) return "empty chunk at dst_row " + std::to_string(chunk.dst_row);
+    if (chunk.dst_row != next_dst) {
+      return "chunk at dst_row " + std::to_string(chunk.dst_row) + " after rows up to " +
+             std::to_string(next_dst);
+    }
+    next_dst += chunk.num_rows;
     for (std::int64_t k = 0; k < chunk.num_rows; ++k) {
       const std::int64_t src = chunk.src_row + k;
       const std::int64_t dst = chunk.dst_row + k;

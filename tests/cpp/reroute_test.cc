@@ -131,6 +131,36 @@ INSTANTIATE_TEST_SUITE_P(BothDirections, ThreadCounts,
                            return direction_name(info.param);
                          });
 
+// Without scales each thread writes the [R] float32 zeros of its rows at
+// once, pad rows included: 1-8 threads over expert segments padded to 16
+// rows, with spare rows, whose tail the zeros must leave unwritten.
+TEST(ThreadSlices, ZeroScalesForOneToEightThreads) {
+  Case c;
+  c.config.num_tokens = 2048;
+  c.config.hidden = 1024;
+  c.config.token_dtype = DType::kBFloat16;
+  c.config.num_ranks = 4;
+  c.config.num_experts = 8;
+  c.config.skew = 1.5;
+  c.config.seed = 11;
+  c.config.num_valid_tokens = 2000;
+  c.config.attributes.expert_alignment = 16;
+  c.config.attributes.allow_spare_rows = true;
+  set_scale_form(c.config, ScaleForm::kNone, 0);
+  const Attributes& attributes = c.config.attributes;
+  for (int num_threads = 1; num_threads <= 8; ++num_threads) {
+    SCOPED_TRACE("num_threads=" + std::to_string(num_threads));
+    testing::Workload workload(c.config);
+    const Plan plan = plan_reroute(workload.inputs(), attributes, num_threads);
+    EXPECT_EQ(plan.num_threads(), num_threads);
+    run_reroute(plan, workload.inputs(), workload.outputs());
+    EXPECT_EQ(workload.compare(testing::reference_reroute(workload.reference_inputs(),
+                                                          attributes.expert_token_num_type,
+                                                          attributes.idx_type)),
+              "");
+  }
+}
+
 class RoundTrip : public ::testing::TestWithParam<DType> {};
 
 TEST_P(RoundTrip, InverseOfForwardRestoresEveryInputByte) {

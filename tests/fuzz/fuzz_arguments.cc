@@ -287,20 +287,17 @@ void require_plan_tiles(const Plan& plan) {
   for (int t = 0; t < plan.num_threads(); ++t) {
     require(plan.thread_begin()[t] <= plan.thread_begin()[t + 1], "plan: thread_begin decreases");
   }
-  // Destinations (pad rows included) tile the written rows; the sources of
-  // the moved rows are disjoint and add up to the valid rows.
-  std::vector<std::pair<std::int64_t, std::int64_t>> destinations, sources;
+  // Destinations (pad rows included) tile the written rows in chunk order
+  // (the CPU run zeroes a thread's chunks as one run of rows); the sources
+  // of the moved rows are disjoint and add up to the valid rows.
+  std::vector<std::pair<std::int64_t, std::int64_t>> sources;
+  std::int64_t next = 0;
   for (const Chunk& chunk : plan.chunks()) {
     require(chunk.num_rows > 0, "plan: empty chunk");
-    destinations.emplace_back(chunk.dst_row, chunk.num_rows);
+    require(chunk.dst_row == next,
+            "plan: chunks do not tile the destination rows in order at row " + std::to_string(next));
+    next = chunk.dst_row + chunk.num_rows;
     if (chunk.src_row != kPadRows) sources.emplace_back(chunk.src_row, chunk.num_rows);
-  }
-  std::sort(destinations.begin(), destinations.end());
-  std::int64_t next = 0;
-  for (const auto& [first, rows] : destinations) {
-    require(first == next, "plan: chunks do not tile the destination rows at row " +
-                               std::to_string(next));
-    next = first + rows;
   }
   require(next == plan.num_written_rows(), "plan: chunks cover " + std::to_string(next) + " of " +
                                                std::to_string(plan.num_written_rows()) + " rows");
