@@ -100,10 +100,9 @@ INSTANTIATE_TEST_SUITE_P(EveryDType, EdgeShapes,
                                  ValuesIn(all_dtypes())),
                          edge_name);
 
-class ThreadCounts : public ::testing::TestWithParam<Direction> {};
-
-// 4 MiB of skewed rows: enough bytes that every requested thread gets a share.
-TEST_P(ThreadCounts, SameBytesForOneToEightThreads) {
+// 4 MiB of skewed rows (2048 bf16 rows of H = 1024 over 4 x 8 blocks): enough
+// bytes that every requested thread, up to 8, gets a share.
+Case threaded_case(std::uint64_t seed) {
   Case c;
   c.config.num_tokens = 2048;
   c.config.hidden = 1024;
@@ -111,7 +110,14 @@ TEST_P(ThreadCounts, SameBytesForOneToEightThreads) {
   c.config.num_ranks = 4;
   c.config.num_experts = 8;
   c.config.skew = 1.5;
-  c.config.seed = 7;
+  c.config.seed = seed;
+  return c;
+}
+
+class ThreadCounts : public ::testing::TestWithParam<Direction> {};
+
+TEST_P(ThreadCounts, SameBytesForOneToEightThreads) {
+  Case c = threaded_case(7);
   c.config.attributes.idx_type = kIdxScatter;
   set_scale_form(c.config, ScaleForm::kFloat32AS, 2);
   testing::Workload workload(c.config);
@@ -135,14 +141,7 @@ INSTANTIATE_TEST_SUITE_P(BothDirections, ThreadCounts,
 // once, pad rows included: 1-8 threads over expert segments padded to 16
 // rows, with spare rows, whose tail the zeros must leave unwritten.
 TEST(ThreadSlices, ZeroScalesForOneToEightThreads) {
-  Case c;
-  c.config.num_tokens = 2048;
-  c.config.hidden = 1024;
-  c.config.token_dtype = DType::kBFloat16;
-  c.config.num_ranks = 4;
-  c.config.num_experts = 8;
-  c.config.skew = 1.5;
-  c.config.seed = 11;
+  Case c = threaded_case(11);
   c.config.num_valid_tokens = 2000;
   c.config.attributes.expert_alignment = 16;
   c.config.attributes.allow_spare_rows = true;
