@@ -26,18 +26,21 @@ install_apt_deps() {
   fi
 }
 
-# The newest torch and the test packages in their own virtual environment
-# (scripts/test.sh runs the torch operator tests there too).
+# Two more virtual environments for scripts/test.sh: the newest torch and the
+# test packages (it runs the torch operator tests there too), and the NumPy
+# tests' packages without torch (it installs the NumPy part there alone).
 MOE_REROUTE_NEWEST_TORCH_PACKAGES=(
   torch "numpy>=1.26" "ml_dtypes>=0.5" "pytest>=8" "nanobind==2.9.2" "scikit-build-core>=0.10"
 )
+MOE_REROUTE_NUMPY_ONLY_PACKAGES=("numpy>=1.26" "ml_dtypes>=0.5" "pytest>=8")
 
-make_newest_torch_venv() {
+# make_venv DIR PACKAGE...: the virtual environment DIR, made once, with the
+# newest PACKAGEs (--upgrade: a few seconds when they are already there).
+make_venv() {
   local venv=$1
+  shift
   [[ -x $venv/bin/python ]] || python3 -m venv "$venv"
-  # --upgrade: a few seconds when the newest torch is already there.
-  "$venv/bin/python" -m pip install -q --upgrade --root-user-action=ignore \
-    "${MOE_REROUTE_NEWEST_TORCH_PACKAGES[@]}"
+  "$venv/bin/python" -m pip install -q --upgrade --root-user-action=ignore "$@"
 }
 
 install_python_deps() {

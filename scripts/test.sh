@@ -20,10 +20,21 @@ python3 -m pytest tests/python -q
 # environment created once (a large download the first time), built there
 # against that torch: the operator tests (docs/torch.md).
 newest="${MOE_REROUTE_NEWEST_TORCH_VENV:-$HOME/.cache/moe_reroute/torch-newest}"
-make_newest_torch_venv "$newest"
+make_venv "$newest" "${MOE_REROUTE_NEWEST_TORCH_PACKAGES[@]}"
 "$newest/bin/python" -m pip install -q --no-build-isolation --root-user-action=ignore \
   -C build-dir=build-py/newest-torch .
 "$newest/bin/python" -m pytest tests/python/test_torch_op.py -q
+
+# The NumPy part alone, where torch is not installed: README's plain
+# `pip install .` (an isolated build, from a fresh build directory: the
+# isolated environment's paths change from one build to the next) in a virtual
+# environment without torch, then the NumPy tests there.
+numpy_only="${MOE_REROUTE_NUMPY_ONLY_VENV:-$HOME/.cache/moe_reroute/numpy-only}"
+make_venv "$numpy_only" "${MOE_REROUTE_NUMPY_ONLY_PACKAGES[@]}"
+rm -rf build-py/numpy-only
+"$numpy_only/bin/python" -m pip install -q --root-user-action=ignore \
+  -C build-dir=build-py/numpy-only -C cmake.define.MOE_REROUTE_CUDA=OFF .
+"$numpy_only/bin/python" -m pytest tests/python/test_reroute.py -q
 
 if [[ ${MOE_REROUTE_QUICK:-0} != 1 ]]; then
   bash scripts/hardening.sh

@@ -7,40 +7,50 @@ from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
-import torch
 
 import reference
 from reference import POISON, random_bytes
 
-FRAMEWORKS = ("numpy", "torch")
+try:
+    import torch
+except ImportError:  # the NumPy-only install (scripts/test.sh tests it too)
+    torch = None
+
+FRAMEWORKS = ("numpy",) if torch is None else ("numpy", "torch")
+_TENSOR = () if torch is None else torch.Tensor  # isinstance(x, ()) is False
 
 
 @dataclass(frozen=True)
 class TokenCase:
     label: str
     numpy_dtype: object  # None where NumPy has no storage for it
-    torch_dtype: object  # None where this torch lacks it
+    torch_name: str
     tokens_dtype: str | None
     bits: int  # bits per logical element
+
+    @property
+    def torch_dtype(self):
+        """None where this torch lacks it, or without torch."""
+        return getattr(torch, self.torch_name, None)
 
     def dtype(self, framework: str):
         return self.numpy_dtype if framework == "numpy" else self.torch_dtype
 
 
 TOKEN_CASES = [
-    TokenCase("float16", np.float16, torch.float16, None, 16),
-    TokenCase("bfloat16", ml_dtypes.bfloat16, torch.bfloat16, None, 16),
-    TokenCase("int8", np.int8, torch.int8, None, 8),
-    TokenCase("float32", np.float32, torch.float32, None, 32),
-    TokenCase("uint8", np.uint8, torch.uint8, None, 8),
-    TokenCase("float8_e5m2", ml_dtypes.float8_e5m2, torch.float8_e5m2, None, 8),
-    TokenCase("float8_e4m3fn", ml_dtypes.float8_e4m3fn, torch.float8_e4m3fn, None, 8),
-    TokenCase("uint8-hifloat8", np.uint8, torch.uint8, "hifloat8", 8),
-    TokenCase("uint8-float4_e2m1", np.uint8, torch.uint8, "float4_e2m1", 4),
-    TokenCase("uint8-float4_e1m2", np.uint8, torch.uint8, "float4_e1m2", 4),
-    TokenCase("uint8-float8_e4m3fn", np.uint8, torch.uint8, "float8_e4m3fn", 8),
-    TokenCase("uint8-float8_e5m2", np.uint8, torch.uint8, "float8_e5m2", 8),
-    TokenCase("float4_e2m1fn_x2", None, getattr(torch, "float4_e2m1fn_x2", None), None, 4),
+    TokenCase("float16", np.float16, "float16", None, 16),
+    TokenCase("bfloat16", ml_dtypes.bfloat16, "bfloat16", None, 16),
+    TokenCase("int8", np.int8, "int8", None, 8),
+    TokenCase("float32", np.float32, "float32", None, 32),
+    TokenCase("uint8", np.uint8, "uint8", None, 8),
+    TokenCase("float8_e5m2", ml_dtypes.float8_e5m2, "float8_e5m2", None, 8),
+    TokenCase("float8_e4m3fn", ml_dtypes.float8_e4m3fn, "float8_e4m3fn", None, 8),
+    TokenCase("uint8-hifloat8", np.uint8, "uint8", "hifloat8", 8),
+    TokenCase("uint8-float4_e2m1", np.uint8, "uint8", "float4_e2m1", 4),
+    TokenCase("uint8-float4_e1m2", np.uint8, "uint8", "float4_e1m2", 4),
+    TokenCase("uint8-float8_e4m3fn", np.uint8, "uint8", "float8_e4m3fn", 8),
+    TokenCase("uint8-float8_e5m2", np.uint8, "uint8", "float8_e5m2", 8),
+    TokenCase("float4_e2m1fn_x2", None, "float4_e2m1fn_x2", None, 4),
 ]
 
 
@@ -48,20 +58,24 @@ TOKEN_CASES = [
 class ScaleCase:
     label: str
     numpy_dtype: object
-    torch_dtype: object
+    torch_name: str
     trailing: tuple  # dims past A
     itemsize: int
     dtype_name: str  # what the core reads: float32 or float8_e8m0
 
+    @property
+    def torch_dtype(self):
+        return getattr(torch, self.torch_name, None)
+
 
 SCALE_CASES = [
     None,
-    ScaleCase("float32[A]", np.float32, torch.float32, (), 4, "float32"),
-    ScaleCase("float32[A,S]", np.float32, torch.float32, (3,), 4, "float32"),
-    ScaleCase("float32[A,K,2]", np.float32, torch.float32, (3, 2), 4, "float32"),
-    ScaleCase("e8m0[A]", ml_dtypes.float8_e8m0fnu, torch.float8_e8m0fnu, (), 1, "float8_e8m0"),
-    ScaleCase("uint8[A,S] as e8m0", np.uint8, torch.uint8, (5,), 1, "float8_e8m0"),
-    ScaleCase("e8m0[A,K,2]", ml_dtypes.float8_e8m0fnu, torch.float8_e8m0fnu, (4, 2), 1,
+    ScaleCase("float32[A]", np.float32, "float32", (), 4, "float32"),
+    ScaleCase("float32[A,S]", np.float32, "float32", (3,), 4, "float32"),
+    ScaleCase("float32[A,K,2]", np.float32, "float32", (3, 2), 4, "float32"),
+    ScaleCase("e8m0[A]", ml_dtypes.float8_e8m0fnu, "float8_e8m0fnu", (), 1, "float8_e8m0"),
+    ScaleCase("uint8[A,S] as e8m0", np.uint8, "uint8", (5,), 1, "float8_e8m0"),
+    ScaleCase("e8m0[A,K,2]", ml_dtypes.float8_e8m0fnu, "float8_e8m0fnu", (4, 2), 1,
               "float8_e8m0"),
 ]
 
@@ -108,7 +122,7 @@ def poisoned(framework, dtype, shape, itemsize):
 
 def byte_rows(array) -> np.ndarray:
     """[dim 0, bytes per row] uint8 copy of an array or tensor."""
-    if isinstance(array, torch.Tensor):
+    if isinstance(array, _TENSOR):
         itemsize = array.element_size()
         # One-byte dtypes as uint8 first: torch cannot copy float4_e2m1fn_x2.
         data = array.detach().view(torch.uint8) if itemsize == 1 else array.detach()
@@ -121,7 +135,7 @@ def byte_rows(array) -> np.ndarray:
 
 
 def as_numpy(array) -> np.ndarray:
-    return array.numpy() if isinstance(array, torch.Tensor) else array
+    return array.numpy() if isinstance(array, _TENSOR) else array
 
 
 def framework_dtype(framework: str, name: str):
@@ -133,7 +147,7 @@ def counts_array(framework: str, counts: np.ndarray):
 
 
 def array_type(framework: str):
-    return np.ndarray if framework == "numpy" else torch.Tensor
+    return np.ndarray if framework == "numpy" else _TENSOR
 
 
 def seeded(*labels) -> np.random.Generator:

@@ -1,22 +1,25 @@
 """Forward and inverse against the naive reference: every token dtype, every
 scale layout, both index types, both count modes, zero and skewed counts,
-A = 0, through NumPy, moe_reroute's torch entry and torch.ops directly."""
+A = 0, through NumPy, moe_reroute's torch entry and torch.ops directly. The
+NumPy cases run without torch too: scripts/test.sh installs the package in
+an environment without torch, as README's plain `pip install .` does, and
+runs this file there."""
 
 from __future__ import annotations
 
 import os
+import pathlib
 import re
 import signal
 
 import numpy as np
 import pytest
-import torch
 
 import moe_reroute
 import reference
 from cases import (FRAMEWORKS, SCALE_CASES, TOKEN_CASES, array_type, as_numpy, byte_rows,
                    counts_array, framework_dtype, make_inputs, pairs, poisoned_outputs,
-                   random_array, seeded)
+                   random_array, seeded, torch)
 
 NUM_TRIALS = 4
 
@@ -137,6 +140,7 @@ def test_inverse_takes_any_table_dtype(framework, dtype):
                                   reference.inverse(byte_rows(tokens), counts)[0])
 
 
+@pytest.mark.skipif(torch is None, reason="no torch here")
 def test_inverse_torch_op_returns_empty_for_absent_outputs():
     counts = torch.tensor([[2, 1]], dtype=torch.int32)
     tokens = torch.arange(6, dtype=torch.float32).reshape(3, 2) + 1
@@ -288,7 +292,7 @@ def test_misaligned_counts_index_and_expert_token_num(framework, count_dtype):
     np.testing.assert_array_equal(byte_rows(restored[0]), byte_rows(tokens))
 
 
-@pytest.mark.parametrize("framework", ["numpy", "torch"])
+@pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_a_forked_child_runs_the_operator_instead_of_hanging(framework):
     # GNU OpenMP hangs in a child forked after a parallel region; the operator
     # runs such a child's calls on its one thread. The child gets 30 s.
@@ -310,3 +314,16 @@ def test_a_forked_child_runs_the_operator_instead_of_hanging(framework):
             os._exit(status)
     _, wait_status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(wait_status) == 0
+
+
+@pytest.mark.skipif(torch is not None, reason="checks the install without torch (scripts/test.sh)")
+def test_without_torch_the_numpy_part_installs_alone():
+    """Built where torch is not installed, the package has no torch operators,
+    and what needs them says so (the NumPy calls above ran here)."""
+    assert not pathlib.Path(moe_reroute.__file__).with_name("_torch_ops.so").exists()
+    message = "^moe_reroute: this build has no torch operators"
+    for call in (moe_reroute.cuda_check, moe_reroute.cpu_output_cache_bytes,
+                 lambda: moe_reroute.set_cuda_status_check("sync"),
+                 lambda: moe_reroute.set_cpu_output_cache_limit(0)):
+        with pytest.raises(RuntimeError, match=message):
+            call()
