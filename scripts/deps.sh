@@ -6,10 +6,13 @@ MOE_REROUTE_APT_PACKAGES=(
   cmake ninja-build g++ clang libclang-rt-14-dev libomp-dev
   libgtest-dev libcli11-dev libopenmpi-dev openmpi-bin
 )
-# The versions tested; torch's default x86-64 wheel is a CUDA build that also runs on the CPU.
+# The versions tested: what the NumPy tests need, what a build with
+# --no-build-isolation adds, and the pinned torch (its default x86-64 wheel is
+# a CUDA build that also runs on the CPU).
+MOE_REROUTE_TEST_PACKAGES=("numpy>=1.26" "ml_dtypes>=0.5" "pytest>=8")
+MOE_REROUTE_BUILD_PACKAGES=("nanobind==2.9.2" "scikit-build-core>=0.10")
 MOE_REROUTE_PIP_PACKAGES=(
-  "numpy>=1.26" "ml_dtypes>=0.5" "pytest>=8" "nanobind==2.9.2" "scikit-build-core>=0.10"
-  "torch==2.9.1"
+  "${MOE_REROUTE_TEST_PACKAGES[@]}" "${MOE_REROUTE_BUILD_PACKAGES[@]}" "torch==2.9.1"
 )
 
 install_apt_deps() {
@@ -26,13 +29,12 @@ install_apt_deps() {
   fi
 }
 
-# Two more virtual environments for scripts/test.sh: the newest torch and the
-# test packages (it runs the torch operator tests there too), and the NumPy
-# tests' packages without torch (it installs the NumPy part there alone).
+# Two more virtual environments for scripts/test.sh: the newest torch with the
+# rest (it runs the torch operator tests there too), and the test packages
+# alone, without torch (it installs the NumPy part there by itself).
 MOE_REROUTE_NEWEST_TORCH_PACKAGES=(
-  torch "numpy>=1.26" "ml_dtypes>=0.5" "pytest>=8" "nanobind==2.9.2" "scikit-build-core>=0.10"
+  torch "${MOE_REROUTE_TEST_PACKAGES[@]}" "${MOE_REROUTE_BUILD_PACKAGES[@]}"
 )
-MOE_REROUTE_NUMPY_ONLY_PACKAGES=("numpy>=1.26" "ml_dtypes>=0.5" "pytest>=8")
 
 # make_venv DIR PACKAGE...: the virtual environment DIR, made once, with the
 # newest PACKAGEs (--upgrade: a few seconds when they are already there).

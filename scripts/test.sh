@@ -30,7 +30,7 @@ make_venv "$newest" "${MOE_REROUTE_NEWEST_TORCH_PACKAGES[@]}"
 # isolated environment's paths change from one build to the next) in a virtual
 # environment without torch, then the NumPy tests there.
 numpy_only="${MOE_REROUTE_NUMPY_ONLY_VENV:-$HOME/.cache/moe_reroute/numpy-only}"
-make_venv "$numpy_only" "${MOE_REROUTE_NUMPY_ONLY_PACKAGES[@]}"
+make_venv "$numpy_only" "${MOE_REROUTE_TEST_PACKAGES[@]}"
 rm -rf build-py/numpy-only
 "$numpy_only/bin/python" -m pip install -q --root-user-action=ignore \
   -C build-dir=build-py/numpy-only -C cmake.define.MOE_REROUTE_CUDA=OFF .

@@ -20,18 +20,22 @@ FRAMEWORKS = ("numpy",) if torch is None else ("numpy", "torch")
 _TENSOR = () if torch is None else torch.Tensor  # isinstance(x, ()) is False
 
 
-@dataclass(frozen=True)
-class TokenCase:
-    label: str
-    numpy_dtype: object  # None where NumPy has no storage for it
-    torch_name: str
-    tokens_dtype: str | None
-    bits: int  # bits per logical element
+class _TorchNamed:
+    """A case that names its torch dtype (torch_name)."""
 
     @property
     def torch_dtype(self):
         """None where this torch lacks it, or without torch."""
         return getattr(torch, self.torch_name, None)
+
+
+@dataclass(frozen=True)
+class TokenCase(_TorchNamed):
+    label: str
+    numpy_dtype: object  # None where NumPy has no storage for it
+    torch_name: str
+    tokens_dtype: str | None
+    bits: int  # bits per logical element
 
     def dtype(self, framework: str):
         return self.numpy_dtype if framework == "numpy" else self.torch_dtype
@@ -55,17 +59,13 @@ TOKEN_CASES = [
 
 
 @dataclass(frozen=True)
-class ScaleCase:
+class ScaleCase(_TorchNamed):
     label: str
     numpy_dtype: object
     torch_name: str
     trailing: tuple  # dims past A
     itemsize: int
     dtype_name: str  # what the core reads: float32 or float8_e8m0
-
-    @property
-    def torch_dtype(self):
-        return getattr(torch, self.torch_name, None)
 
 
 SCALE_CASES = [
