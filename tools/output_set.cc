@@ -3,11 +3,30 @@
 #include <unistd.h>
 
 #include <system_error>
+#include <utility>
 
 #include "moe_reroute/error.h"
 #include "npy.h"
 
 namespace moe_reroute::tools {
+namespace {
+
+// A hidden name beside `file_name`, unique to this process.
+std::filesystem::path hidden(const std::filesystem::path& dir, const std::string& file_name,
+                             const char* suffix) {
+  return dir / ("." + file_name + suffix + std::to_string(::getpid()));
+}
+
+void rename_or_throw(const std::filesystem::path& from, const std::filesystem::path& to) {
+  std::error_code error;
+  std::filesystem::rename(from, to, error);
+  if (error) {
+    throw Error(ErrorCode::kInvalidArgument, "out: cannot rename " + from.string() + " to " +
+                                                 to.string() + ": " + error.message());
+  }
+}
+
+}  // namespace
 
 OutputSet::OutputSet(std::filesystem::path dir) : dir_(std::move(dir)) {
   std::error_code error;
@@ -21,25 +40,48 @@ OutputSet::OutputSet(std::filesystem::path dir) : dir_(std::move(dir)) {
 
 OutputSet::~OutputSet() {
   std::error_code ignored;
-  for (const auto& [temp, final_path] : files_) std::filesystem::remove(temp, ignored);
+  for (const File& file : files_) std::filesystem::remove(file.temp, ignored);
 }
 
 void OutputSet::add(const std::string& file_name, const TensorView& view) {
-  const std::filesystem::path final_path = dir_ / file_name;
-  const std::filesystem::path temp = dir_ / ("." + file_name + ".tmp" + std::to_string(::getpid()));
-  files_.emplace_back(temp, final_path);
-  write_npy(temp, storage_descr(view.dtype()), storage_shape(view.spec), view.data,
+  files_.push_back({hidden(dir_, file_name, ".tmp"), dir_ / file_name,
+                    hidden(dir_, file_name, ".old")});
+  write_npy(files_.back().temp, storage_descr(view.dtype()), storage_shape(view.spec), view.data,
             static_cast<std::size_t>(view.nbytes()), "out");
 }
 
+void OutputSet::place(File& file) {
+  // A directory is left where it is (the rename onto it fails): moved aside,
+  // it could not be removed after a successful commit.
+  std::error_code ignored;
+  const std::filesystem::file_status status =
+      std::filesystem::symlink_status(file.final_path, ignored);
+  if (std::filesystem::exists(status) && !std::filesystem::is_directory(status)) {
+    rename_or_throw(file.final_path, file.old);
+    file.moved_aside = true;
+  }
+  rename_or_throw(file.temp, file.final_path);
+  file.placed = true;
+}
+
 void OutputSet::commit() {
-  for (const auto& [temp, final_path] : files_) {
-    std::error_code error;
-    std::filesystem::rename(temp, final_path, error);
-    if (error) {
-      throw Error(ErrorCode::kInvalidArgument, "out: cannot rename " + temp.string() + " to " +
-                                                   final_path.string() + ": " + error.message());
+  // Each replaced file waits under a hidden name until all are placed, so a
+  // failed rename can restore every output of the earlier run (all or none).
+  std::error_code ignored;
+  try {
+    for (File& file : files_) place(file);
+  } catch (const Error&) {
+    for (const File& file : files_) {
+      if (file.moved_aside) {
+        std::filesystem::rename(file.old, file.final_path, ignored);
+      } else if (file.placed) {
+        std::filesystem::remove(file.final_path, ignored);
+      }
     }
+    throw;
+  }
+  for (const File& file : files_) {
+    if (file.moved_aside) std::filesystem::remove(file.old, ignored);
   }
   files_.clear();
 }

@@ -6,7 +6,6 @@
 
 #include <filesystem>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "moe_reroute/tensor.h"
@@ -24,12 +23,19 @@ class OutputSet {
 
   /// Writes `view` (in its .npy storage) to a temporary for `file_name`.
   void add(const std::string& file_name, const TensorView& view);
-  /// Renames every temporary to its final name.
+  /// Renames every temporary to its final name; throws Error naming `out`
+  /// when one cannot be, after putting back every file it had replaced.
   void commit();
 
  private:
+  struct File {
+    std::filesystem::path temp, final_path, old;  // old: where the replaced file waits
+    bool moved_aside = false, placed = false;
+  };
+  void place(File& file);
+
   std::filesystem::path dir_;
-  std::vector<std::pair<std::filesystem::path, std::filesystem::path>> files_;  // temp, final
+  std::vector<File> files_;
 };
 
 }  // namespace moe_reroute::tools

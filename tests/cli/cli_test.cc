@@ -454,6 +454,41 @@ TEST_F(BadInput, GeneratedInputsRunCleanly) {
   EXPECT_EQ(listing(dir_ / "out").size(), 5u);
 }
 
+// A rename that fails part-way (expert_token_num.npy, the fourth output, is a
+// non-empty directory) leaves every earlier output byte for byte as it was.
+TEST_F(BadInput, AFailedRenameLeavesTheEarlierOutputs) {
+  const std::filesystem::path out = dir_ / "out";
+  const Result first = run_cli({"run", "--tokens", in("tokens.npy"), "--counts", in("counts.npy"),
+                                "--scales", in("scales.npy"), "--topk-weight",
+                                in("topk_weight.npy"), "--out", out.string()});
+  ASSERT_EQ(first.status, 0) << first.err;
+  std::filesystem::remove(out / "expert_token_num.npy");
+  std::filesystem::create_directory(out / "expert_token_num.npy");
+  std::ofstream(out / "expert_token_num.npy" / "kept") << "kept";
+  std::vector<std::pair<std::string, std::string>> before;
+  for (const std::string& name : listing(out)) {
+    if (std::filesystem::is_regular_file(out / name)) before.emplace_back(name, slurp(out / name));
+  }
+  ASSERT_EQ(before.size(), 4u);
+
+  const Result gen = run_cli({"gen", "--out", (dir_ / "in2").string(), "--tokens", "64",
+                              "--hidden", "16", "--ranks", "2", "--experts", "3", "--seed", "1"});
+  ASSERT_EQ(gen.status, 0) << gen.err;
+  ASSERT_NE(slurp(dir_ / "in2" / "tokens.npy"), slurp(in("tokens.npy")));
+  const Result second = run_cli(printed_run_args(gen.out, out));
+  EXPECT_EQ(second.status, 2);
+  EXPECT_THAT(second.err, StartsWith("error: out: cannot rename "));
+  EXPECT_EQ(std::count(second.err.begin(), second.err.end(), '\n'), 1) << second.err;
+
+  std::set<std::string> names = {"expert_token_num.npy"};
+  for (const auto& [name, bytes] : before) {
+    names.insert(name);
+    EXPECT_TRUE(slurp(out / name) == bytes) << name << " changed";
+  }
+  EXPECT_EQ(listing(out), names);  // no temporary or moved-aside file either
+  EXPECT_EQ(slurp(out / "expert_token_num.npy" / "kept"), "kept");
+}
+
 TEST_F(BadInput, UnreadableOrMalformedFiles) {
   expect_refused({}, "tokens: cannot open", {{"--tokens", (dir_ / "missing.npy").string()}});
   expect_refused({}, "tokens: ", {{"--tokens", raw("text.npy", "not an npy file\n")}});
