@@ -88,18 +88,18 @@ int inverse_command(const RunOptions& o) {
   OutputBuffers buffers(plan.output_specs());
   const std::vector<TensorView>& v = buffers.views;
   InverseOutputs outputs{v[0], std::nullopt, std::nullopt};
-  std::vector<std::string> names = {"restored_tokens.npy"};
   std::size_t next = 1;
-  if (inputs.per_token_scales) {
-    outputs.restored_per_token_scales = v[next++];
-    names.push_back("restored_per_token_scales.npy");
-  }
-  if (inputs.expert_topk_weight) {
-    outputs.restored_topk_weight = v[next++];
-    names.push_back("restored_topk_weight.npy");
-  }
+  if (inputs.per_token_scales) outputs.restored_per_token_scales = v[next++];
+  if (inputs.expert_topk_weight) outputs.restored_topk_weight = v[next++];
   run_inverse(plan, inputs, outputs);
-  write_outputs(o.out, names, v);
+  // An absent output is written too, as the empty (0,) float32 file `run`
+  // writes for its weight, so no earlier run's file stays beside this run's.
+  const TensorView absent(nullptr, DType::kFloat32, Shape{0});
+  write_outputs(o.out,
+                {"restored_tokens.npy", "restored_per_token_scales.npy",
+                 "restored_topk_weight.npy"},
+                {outputs.restored_tokens, outputs.restored_per_token_scales.value_or(absent),
+                 outputs.restored_topk_weight.value_or(absent)});
   return 0;
 }
 

@@ -110,6 +110,15 @@ std::int64_t row_bytes(const NpyArray& array) {
   return bytes;
 }
 
+const std::set<std::string> kInverseOutputs = {
+    "restored_tokens.npy", "restored_per_token_scales.npy", "restored_topk_weight.npy"};
+
+// An absent optional output: the empty (0,) float32 file.
+void expect_absent(const NpyArray& array) {
+  EXPECT_EQ(array.descr, "<f4");
+  EXPECT_EQ(array.shape, std::vector<std::int64_t>{0});
+}
+
 struct Case {
   std::string name;
   std::vector<std::string> gen_args;
@@ -181,8 +190,12 @@ TEST_P(EndToEnd, GenThenRunMatchesTheReferenceAndTheInverseRestoresTheInputs) {
   EXPECT_EQ(expert_token_num.descr, counts.descr);
   EXPECT_EQ(counts_of(expert_token_num), expected.expert_token_num);
   const NpyArray permute_weight = out("permute_topk_weight.npy");
-  EXPECT_EQ(permute_weight.shape, has_weight ? weight.shape : std::vector<std::int64_t>{0});
-  EXPECT_EQ(permute_weight.descr, "<f4");
+  if (has_weight) {
+    EXPECT_EQ(permute_weight.shape, weight.shape);
+    EXPECT_EQ(permute_weight.descr, "<f4");
+  } else {
+    expect_absent(permute_weight);
+  }
   EXPECT_TRUE(bytes_of(permute_weight) == expected.weight) << "permute_topk_weight";
 
   // The inverse takes the permuted files back; the dtype flags of `run` still apply.
@@ -198,30 +211,33 @@ TEST_P(EndToEnd, GenThenRunMatchesTheReferenceAndTheInverseRestoresTheInputs) {
       inverse_args.insert(inverse_args.end(), {run_args[i], run_args[i + 1]});
     }
   }
-  std::set<std::string> restored_names = {"restored_tokens.npy"};
   if (has_scales) {
     inverse_args.insert(inverse_args.end(),
                         {"--scales", (dir / "out" / "permute_per_token_scales.npy").string()});
-    restored_names.insert("restored_per_token_scales.npy");
   }
   if (has_weight) {
     inverse_args.insert(inverse_args.end(),
                         {"--topk-weight", (dir / "out" / "permute_topk_weight.npy").string()});
-    restored_names.insert("restored_topk_weight.npy");
   }
   const Result inverse = run_cli(inverse_args);
   ASSERT_EQ(inverse.status, 0) << inverse.err;
-  EXPECT_EQ(listing(dir / "restored"), restored_names);
+  EXPECT_EQ(listing(dir / "restored"), kInverseOutputs);
   const auto restored = [&](const char* name) { return read_npy(dir / "restored" / name, name); };
   const NpyArray restored_tokens = restored("restored_tokens.npy");
   EXPECT_EQ(restored_tokens.descr, tokens.descr);
   EXPECT_EQ(restored_tokens.shape, tokens.shape);
   EXPECT_TRUE(restored_tokens.data == tokens.data) << "restored_tokens";
+  const NpyArray restored_scales = restored("restored_per_token_scales.npy");
+  const NpyArray restored_weight = restored("restored_topk_weight.npy");
   if (has_scales) {
-    EXPECT_TRUE(restored("restored_per_token_scales.npy").data == scales.data) << "restored scales";
+    EXPECT_TRUE(restored_scales.data == scales.data) << "restored scales";
+  } else {
+    expect_absent(restored_scales);
   }
   if (has_weight) {
-    EXPECT_TRUE(restored("restored_topk_weight.npy").data == weight.data) << "restored weight";
+    EXPECT_TRUE(restored_weight.data == weight.data) << "restored weight";
+  } else {
+    expect_absent(restored_weight);
   }
 }
 
@@ -343,6 +359,31 @@ TEST(StaticShapes, RunAndInverseFollowTheAlignedLayout) {
     EXPECT_EQ(restored.shape, tokens.shape);
     EXPECT_TRUE(std::equal(tokens.data.begin(), tokens.data.begin() + 150 * 48,
                            restored.data.begin()));
+  }
+}
+
+// Every inverse writes all three outputs, so none of an earlier run's stays
+// beside this run's: here the scales and weight of a run that had them.
+TEST(Cli, InverseReplacesEveryOutput) {
+  const TestDir dir;
+  const Result gen = run_cli({"gen", "--out", (dir / "in").string(), "--tokens", "64", "--hidden",
+                              "16", "--ranks", "2", "--experts", "3"});
+  ASSERT_EQ(gen.status, 0) << gen.err;
+  const std::vector<std::string> inverse = {
+      "inverse", "--tokens", (dir / "in" / "tokens.npy").string(), "--counts",
+      (dir / "in" / "counts.npy").string(), "--out", (dir / "out").string()};
+  std::vector<std::string> with_optional = inverse;
+  with_optional.insert(with_optional.end(),
+                       {"--scales", (dir / "in" / "scales.npy").string(), "--topk-weight",
+                        (dir / "in" / "topk_weight.npy").string()});
+  const Result first = run_cli(with_optional);
+  ASSERT_EQ(first.status, 0) << first.err;
+  const Result second = run_cli(inverse);
+  ASSERT_EQ(second.status, 0) << second.err;
+  EXPECT_EQ(listing(dir / "out"), kInverseOutputs);
+  for (const char* name : {"restored_per_token_scales.npy", "restored_topk_weight.npy"}) {
+    SCOPED_TRACE(name);
+    expect_absent(read_npy(dir / "out" / name, name));
   }
 }
 
