@@ -20,8 +20,7 @@ using detail::fail;
 
 constexpr std::int64_t kIndexLimit = std::numeric_limits<std::int32_t>::max();
 // Below this many bytes per thread, starting another thread costs more than it
-// saves. On the 2-core development VM a 460 KB call (A/4 valid at decode) took
-// 0.6-0.8x the time with 64 KiB as with 256 KiB, which left it to one thread.
+// saves; a larger threshold left calls of a few hundred KB on one thread.
 constexpr std::int64_t kMinBytesPerThread = 64 * 1024;
 
 std::string spec_string(const TensorView& view) { return view.spec.to_string(); }
@@ -339,8 +338,8 @@ struct PlanBuilder {
   // written (the forward's pad rows after each expert's blocks), cut into one
   // contiguous destination row range per thread. Every row costs the same
   // bytes, so equal row ranges are equal byte shares however skewed the counts.
-  // Flattened: GCC 12 otherwise calls out for each chunk's push_back, which
-  // took half the time of a plan of 256 blocks.
+  // Flattened: GCC 12 otherwise calls out for each chunk's push_back, a large
+  // share of a small plan's time.
   [[gnu::flatten]] static void split(Plan& plan, int num_threads) {
     const bool forward = plan.direction_ == Direction::kForward;
     const std::int64_t rows = plan.num_written_rows();

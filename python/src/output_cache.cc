@@ -1,7 +1,7 @@
 // The CPU output cache. A freed output of 4 MiB and more stays mapped: the
 // next output of its size reuses its pages instead of faulting fresh ones in
-// (on the development VM those faults were 40% of a prefill call, and pages
-// freed to the kernel could come back from the hypervisor at 9x the call).
+// (the faults were a large part of a prefill call, and pages freed to the kernel
+// may come back from the hypervisor: docs/benchmarks.md).
 
 #include "output_cache.h"
 
