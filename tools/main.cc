@@ -3,11 +3,14 @@
 // one `error:` line on stderr.
 
 #include <CLI/CLI.hpp>
+#include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <iostream>
 #include <new>
 #include <string>
+#include <type_traits>
 
 #include "commands.h"
 #include "moe_reroute/error.h"
@@ -30,6 +33,31 @@ const CLI::Validator kThreadCount(
     },
     "");
 
+// An int64 or uint64 option. CLI11 2.1 reads one with strtoll / strtoull,
+// which clamp a value past the type to its limit (and strtoull wraps "-1"),
+// so checks would see, and quote, another number: refuse it here as typed.
+template <typename Int>
+CLI::Option* add_int_option(CLI::App& command, const std::string& name, Int& value,
+                            const std::string& description) {
+  static_assert(sizeof(Int) == 8);
+  static const CLI::Validator fits(
+      [](const std::string& typed) -> std::string {
+        char* end = nullptr;
+        errno = 0;
+        if constexpr (std::is_signed_v<Int>) {
+          std::strtoll(typed.c_str(), &end, 0);
+        } else {
+          std::strtoull(typed.c_str(), &end, 0);
+        }
+        const bool number = !typed.empty() && end == typed.c_str() + typed.size();
+        const bool negative = std::is_unsigned_v<Int> && typed.find('-') != std::string::npos;
+        if (!number || (errno != ERANGE && !negative)) return "";  // CLI11 refuses non-numbers
+        return typed + " does not fit in " + (std::is_signed_v<Int> ? "int64" : "uint64");
+      },
+      "");
+  return command.add_option(name, value, description)->check(fits);
+}
+
 void add_run_options(CLI::App& command, RunOptions& o, bool forward) {
   command.add_option("--tokens", o.tokens, "tokens .npy, [A, H]")->required();
   command.add_option("--counts", o.counts, "expert_token_num_per_rank .npy, [N, E] int32/int64")
@@ -41,11 +69,12 @@ void add_run_options(CLI::App& command, RunOptions& o, bool forward) {
                      "FP4 for uint8)");
   command.add_option("--scales-dtype", o.scales_dtype, "float8_e8m0 for uint8 scales");
   if (forward) {
-    command.add_option("--idx-type", o.idx_type, "0 = gather index, 1 = scatter index");
-    command.add_option("--expert-token-num-type", o.expert_token_num_type, "0 = cumsum, 1 = count");
+    add_int_option(command, "--idx-type", o.idx_type, "0 = gather index, 1 = scatter index");
+    add_int_option(command, "--expert-token-num-type", o.expert_token_num_type,
+                   "0 = cumsum, 1 = count");
   }
-  command.add_option("--expert-alignment", o.expert_alignment,
-                     "k: pad each expert's segment to a multiple of k rows (docs/spec.md section 9)");
+  add_int_option(command, "--expert-alignment", o.expert_alignment,
+                 "k: pad each expert's segment to a multiple of k rows (docs/spec.md section 9)");
   command.add_flag("--allow-spare-rows", o.allow_spare_rows,
                    "the counts may sum to less than A (fixed-capacity buffers)");
   command.add_option("--threads", o.threads, "threads, 0 = all hardware threads")
@@ -54,10 +83,10 @@ void add_run_options(CLI::App& command, RunOptions& o, bool forward) {
 }
 
 void add_workload_options(CLI::App& command, WorkloadOptions& w) {
-  command.add_option("--tokens", w.tokens, "A, tokens")->capture_default_str();
-  command.add_option("--hidden", w.hidden, "H, elements per token")->capture_default_str();
-  command.add_option("--ranks", w.ranks, "N, source ranks")->capture_default_str();
-  command.add_option("--experts", w.experts, "E, local experts")->capture_default_str();
+  add_int_option(command, "--tokens", w.tokens, "A, tokens")->capture_default_str();
+  add_int_option(command, "--hidden", w.hidden, "H, elements per token")->capture_default_str();
+  add_int_option(command, "--ranks", w.ranks, "N, source ranks")->capture_default_str();
+  add_int_option(command, "--experts", w.experts, "E, local experts")->capture_default_str();
   command.add_option("--tokens-dtype", w.tokens_dtype, "token dtype name")->capture_default_str();
   command.add_option("--counts-dtype", w.counts_dtype, "int32 or int64")->capture_default_str();
   command
@@ -67,15 +96,17 @@ void add_workload_options(CLI::App& command, WorkloadOptions& w) {
       ->capture_default_str();
   command.add_flag("--topk-weight,!--no-topk-weight", w.topk_weight, "give [A, 1] top-k weights");
   command.add_option("--skew", w.skew, "count skew, 0 = uniform")->capture_default_str();
-  command.add_option("--seed", w.seed, "random seed")->capture_default_str();
-  command.add_option("--idx-type", w.idx_type, "0 = gather index, 1 = scatter index")
+  add_int_option(command, "--seed", w.seed, "random seed")->capture_default_str();
+  add_int_option(command, "--idx-type", w.idx_type, "0 = gather index, 1 = scatter index")
       ->capture_default_str();
-  command.add_option("--expert-token-num-type", w.expert_token_num_type, "0 = cumsum, 1 = count")
+  add_int_option(command, "--expert-token-num-type", w.expert_token_num_type,
+                 "0 = cumsum, 1 = count")
       ->capture_default_str();
-  command.add_option("--expert-alignment", w.expert_alignment, "k, the expert segment alignment")
+  add_int_option(command, "--expert-alignment", w.expert_alignment,
+                 "k, the expert segment alignment")
       ->capture_default_str();
-  command.add_option("--valid-tokens", w.valid_tokens,
-                     "rows the counts cover, the rest spare (allow_spare_rows); -1 = all")
+  add_int_option(command, "--valid-tokens", w.valid_tokens,
+                 "rows the counts cover, the rest spare (allow_spare_rows); -1 = all")
       ->capture_default_str();
 }
 

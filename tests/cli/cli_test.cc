@@ -645,6 +645,37 @@ TEST_F(BadInput, CommandLineErrors) {
   EXPECT_THAT(no_command.err, StartsWith("error: "));
 }
 
+// An integer past its option's 64-bit type is refused as typed, by every
+// subcommand; one that fits reaches the operator's checks unchanged.
+TEST_F(BadInput, IntegersPastTheirTypeAreQuotedAsTyped) {
+  expect_refused({"--idx-type", "18446744073709551616"},
+                 "--idx-type: 18446744073709551616 does not fit in int64");
+  expect_refused({"--expert-alignment", "18446744073709551616"},
+                 "--expert-alignment: 18446744073709551616 does not fit in int64");
+  expect_refused({"--expert-token-num-type", "-9223372036854775809"},
+                 "--expert-token-num-type: -9223372036854775809 does not fit in int64");
+  expect_refused({"--expert-alignment", "99999999999999999999"},
+                 "--expert-alignment: 99999999999999999999 does not fit in int64", {}, "inverse");
+  expect_refused({"--expert-alignment", "9223372036854775807"},
+                 "expert_alignment: 9223372036854775807 with E = 3 experts overflows int64 rows");
+  const std::string g = (dir_ / "g").string();
+  for (const auto& [args, message] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"gen", "--tokens", "18446744073709551616", "--out", g},
+            "--tokens: 18446744073709551616 does not fit in int64"},
+           {{"gen", "--valid-tokens", "-9223372036854775809", "--out", g},
+            "--valid-tokens: -9223372036854775809 does not fit in int64"},
+           {{"gen", "--seed", "18446744073709551616", "--out", g},
+            "--seed: 18446744073709551616 does not fit in uint64"},
+           {{"gen", "--seed", "-1", "--out", g}, "--seed: -1 does not fit in uint64"},
+           {{"bench", "--experts", "18446744073709551616"},
+            "--experts: 18446744073709551616 does not fit in int64"}}) {
+    const Result refused = run_cli(args);
+    EXPECT_EQ(refused.status, 2) << message;
+    EXPECT_EQ(refused.err, "error: " + message + "\n");
+    EXPECT_FALSE(std::filesystem::exists(g));
+  }
+}
+
 TEST_F(BadInput, InverseErrors) {
   expect_refused({}, "expert_token_num_per_rank: counts sum to 60",
                  {{"--counts", file("cs.npy", "<i4", {2, 3}, {10})}}, "inverse");
