@@ -29,11 +29,12 @@ install_apt_deps() {
   fi
 }
 
-# Two more virtual environments for scripts/test.sh: the newest torch with the
-# rest (it runs the torch operator tests there too), and the test packages
-# alone, without torch (it installs the NumPy part there by itself).
+# Two more virtual environments for scripts/test.sh: the newest torch and
+# nanobind with the rest (it runs the torch operator tests there too), and the
+# test packages alone, without torch (it installs the NumPy part there by
+# itself, in an isolated build: with the newest nanobind pyproject.toml allows).
 MOE_REROUTE_NEWEST_TORCH_PACKAGES=(
-  torch "${MOE_REROUTE_TEST_PACKAGES[@]}" "${MOE_REROUTE_BUILD_PACKAGES[@]}"
+  torch nanobind "scikit-build-core>=0.10" "${MOE_REROUTE_TEST_PACKAGES[@]}"
 )
 
 # make_venv DIR PACKAGE...: the virtual environment DIR, made once, with the

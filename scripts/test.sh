@@ -16,9 +16,9 @@ ctest --test-dir build --output-on-failure --parallel 2
 python3 -m pip install -q --no-build-isolation --root-user-action=ignore .
 python3 -m pytest tests/python -q
 
-# The torch operators against the newest torch on PyPI, in a virtual
-# environment created once (a large download the first time), built there
-# against that torch: the operator tests (docs/torch.md).
+# The torch operators against the newest torch and nanobind on PyPI, in a
+# virtual environment created once (a large download the first time), built
+# there against them: the operator tests (docs/torch.md).
 newest="${MOE_REROUTE_NEWEST_TORCH_VENV:-$HOME/.cache/moe_reroute/torch-newest}"
 make_venv "$newest" "${MOE_REROUTE_NEWEST_TORCH_PACKAGES[@]}"
 "$newest/bin/python" -m pip install -q --no-build-isolation --root-user-action=ignore \
@@ -26,7 +26,8 @@ make_venv "$newest" "${MOE_REROUTE_NEWEST_TORCH_PACKAGES[@]}"
 "$newest/bin/python" -m pytest tests/python/test_torch_op.py -q
 
 # The NumPy part alone, where torch is not installed: README's plain
-# `pip install .` (an isolated build, from a fresh build directory: the
+# `pip install .` (an isolated build with the newest nanobind that
+# pyproject.toml allows, from a fresh build directory: the
 # isolated environment's paths change from one build to the next) in a virtual
 # environment without torch, then the NumPy tests there.
 numpy_only="${MOE_REROUTE_NUMPY_ONLY_VENV:-$HOME/.cache/moe_reroute/numpy-only}"

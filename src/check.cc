@@ -7,20 +7,15 @@
 namespace moe_reroute::detail {
 namespace {
 
-// The bytes a view spans, [begin, end): computed once per view, since every
-// output is compared with every input and every earlier output.
-struct Span {
-  std::uintptr_t begin;
-  std::uintptr_t end;
+// The bytes a contiguous view spans.
+ByteSpan span_of(const NamedView& named) {
+  const auto begin = reinterpret_cast<std::uintptr_t>(named.view->data);
+  return {named.name, begin, begin + static_cast<std::uintptr_t>(named.view->nbytes())};
+}
 
-  explicit Span(const TensorView& view)
-      : begin(reinterpret_cast<std::uintptr_t>(view.data)),
-        end(begin + static_cast<std::uintptr_t>(view.nbytes())) {}
-  bool empty() const { return begin == end; }
-  bool overlaps(const Span& other) const {
-    return !empty() && !other.empty() && begin < other.end && other.begin < end;
-  }
-};
+bool overlaps(const ByteSpan& a, const ByteSpan& b) {
+  return a.begin != a.end && b.begin != b.end && a.begin < b.end && b.begin < a.end;
+}
 
 // Rule 10's spec check of one output.
 void check_output_spec(const NamedView& output, const TensorSpec& spec) {
@@ -84,7 +79,7 @@ void check_run_arguments(const std::vector<TensorSpec>& input_specs,
   }
   // Each view's bytes are computed only once its spec has passed: a spec that
   // differs from the plan's may overflow int64.
-  std::vector<Span> input_spans;
+  std::vector<ByteSpan> input_spans;
   input_spans.reserve(inputs.size());
   for (std::size_t i = 0; i < inputs.size(); ++i) {
     const NamedView& input = inputs[i];
@@ -95,39 +90,44 @@ void check_run_arguments(const std::vector<TensorSpec>& input_specs,
                                             " but the plan was made for " +
                                             input_specs[i].to_string());
     }
-    input_spans.emplace_back(*input.view);
-    if (input.view->data == nullptr && !input_spans[i].empty()) {
+    const ByteSpan& span = input_spans.emplace_back(span_of(input));
+    if (input.view->data == nullptr && span.begin != span.end) {
       fail(ErrorCode::kInvalidArgument, std::string(input.name) + ": data is null");
     }
   }
-  std::vector<Span> output_spans;
+  std::vector<ByteSpan> output_spans;
   output_spans.reserve(outputs.size());
   for (std::size_t i = 0; i < outputs.size(); ++i) {
     const NamedView& output = outputs[i];
-    const TensorView& view = *output.view;
     check_output_spec(output, output_specs[i]);
-    const Span& span = output_spans.emplace_back(view);
-    if (view.data == nullptr && !span.empty()) {
+    const ByteSpan& span = output_spans.emplace_back(span_of(output));
+    if (output.view->data == nullptr && span.begin != span.end) {
       fail(ErrorCode::kInvalidArgument, std::string(output.name) + ": data is null");
     }
-    for (std::size_t j = 0; j < inputs.size(); ++j) {
-      if (span.overlaps(input_spans[j])) {
-        fail(ErrorCode::kInvalidArgument,
-             std::string(output.name) + ": overlaps input " + inputs[j].name);
-      }
-    }
-    for (std::size_t j = 0; j < i; ++j) {
-      if (span.overlaps(output_spans[j])) {
-        fail(ErrorCode::kInvalidArgument,
-             std::string(output.name) + ": overlaps output " + outputs[j].name);
-      }
-    }
   }
+  check_disjoint(input_spans, output_spans);
 }
 
 }  // namespace moe_reroute::detail
 
 namespace moe_reroute {
+
+void check_disjoint(std::span<const ByteSpan> inputs, std::span<const ByteSpan> outputs) {
+  for (std::size_t i = 0; i < outputs.size(); ++i) {
+    for (const ByteSpan& input : inputs) {
+      if (detail::overlaps(outputs[i], input)) {
+        detail::fail(ErrorCode::kInvalidArgument,
+             std::string(outputs[i].name) + ": overlaps input " + input.name);
+      }
+    }
+    for (std::size_t j = 0; j < i; ++j) {
+      if (detail::overlaps(outputs[i], outputs[j])) {
+        detail::fail(ErrorCode::kInvalidArgument,
+             std::string(outputs[i].name) + ": overlaps output " + outputs[j].name);
+      }
+    }
+  }
+}
 
 void check_output_specs(const RerouteOutputSpecs& specs, const RerouteOutputs& outputs) {
   const std::vector<detail::NamedView> named = detail::named_outputs(outputs);

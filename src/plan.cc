@@ -243,9 +243,10 @@ TensorSpec with_rows(TensorSpec spec, std::int64_t rows) {
            std::to_string(b % num_experts) + "] = " + std::to_string(value) + " is negative");
 }
 
-// Rules 4 and 5: the counts as int64, into `values`.
-void read_counts(const TensorView& counts, std::int64_t num_tokens, bool allow_spare_rows,
-                 std::vector<std::int64_t>& values) {
+// Rules 4 and 5: the counts as int64, into `values`. `num_tokens` is A, which
+// the inverse derives from its `num_rows` = R input rows.
+void read_counts(const TensorView& counts, std::int64_t num_tokens, std::int64_t num_rows,
+                 bool allow_spare_rows, std::vector<std::int64_t>& values) {
   const char* name = "expert_token_num_per_rank";
   const std::int64_t num_experts = counts.shape()[1];
   if (counts.data == nullptr) fail(ErrorCode::kInvalidArgument, std::string(name) + ": data is null");
@@ -262,6 +263,10 @@ void read_counts(const TensorView& counts, std::int64_t num_tokens, bool allow_s
     fail(ErrorCode::kInvalidArgument,
          std::string(name) + ": counts sum to " + std::to_string(sum) + " but tokens has " +
              std::to_string(num_tokens) + " rows" +
+             (num_rows != num_tokens
+                  ? " (its " + std::to_string(num_rows) + " rows less E * (k - 1) = " +
+                        std::to_string(num_rows - num_tokens) + " rows of padding room)"
+                  : "") +
              (allow_spare_rows ? " (with allow_spare_rows the sum may be less, never more)" : ""));
   }
 }
@@ -289,8 +294,8 @@ struct PlanBuilder {
     plan.num_tokens_ = num_tokens;
     plan.num_ranks_ = inputs.expert_token_num_per_rank.shape()[0];
     plan.num_experts_ = inputs.expert_token_num_per_rank.shape()[1];
-    read_counts(inputs.expert_token_num_per_rank, num_tokens, attributes.allow_spare_rows,
-                plan.counts_);
+    read_counts(inputs.expert_token_num_per_rank, num_tokens, inputs.tokens.shape()[0],
+                attributes.allow_spare_rows, plan.counts_);
     plan.token_row_bytes_ = dtype_bytes(inputs.tokens.dtype(), inputs.tokens.shape()[1]);
     plan.scale_row_bytes_ =
         inputs.per_token_scales ? row_bytes(inputs.per_token_scales->spec) : 0;

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -191,6 +192,21 @@ MOE_REROUTE_API Plan plan_inverse(const InverseInputs& inputs, const Attributes&
 /// memory (null data, overlaps) stay with the run.
 MOE_REROUTE_API void check_output_specs(const RerouteOutputSpecs& specs,
                                         const RerouteOutputs& outputs);
+
+/// The bytes [begin, end) an argument's memory spans (a strided view: from its
+/// lowest to its highest byte; begin == end when it has none), named for errors.
+struct ByteSpan {
+  const char* name;
+  std::uintptr_t begin;
+  std::uintptr_t end;
+};
+
+/// Rule 10's overlap check: throws Error naming the first of `outputs` that
+/// overlaps one of `inputs` or an earlier output, with run_reroute's message.
+/// For callers that copy a strided input before the run (the copy is what
+/// the run sees), to check the outputs against the caller's own memory.
+MOE_REROUTE_API void check_disjoint(std::span<const ByteSpan> inputs,
+                                    std::span<const ByteSpan> outputs);
 
 /// Moves the bytes on the CPU. Throws Error, before writing anything, when the
 /// inputs differ from the planned specs or an output has the wrong spec or

@@ -47,7 +47,7 @@ def native(array):
     the core reads counts as numbers, and allocates outputs in native order."""
     if not array.dtype.isnative:
         array = array.astype(array.dtype.newbyteorder("="))
-    return np.ascontiguousarray(array)
+    return np.asarray(array, order="C")  # not ascontiguousarray: it makes 0-D arrays 1-D
 
 
 def inputs(arrays) -> list:
@@ -74,9 +74,12 @@ def reroute(arrays, tokens_dtype, attributes, out):
     arrays that the core allocates by its own specs."""
     tokens_dtype = _bridge.tokens_name(tokens_dtype)
     described = inputs(arrays)
+    copied = []
     if out is not None:
         out = outputs(out, _core.FORWARD_OUTPUT_NAMES)
-    return _core.reroute(described, out, tokens_dtype=tokens_dtype, **attributes)
+        # The caller's own arrays where the core gets copies: out= must not overlap them.
+        copied = [(d[0], a) for a, d in zip(arrays, described) if d is not None and d[4] is not a]
+    return _core.reroute(described, out, copied, tokens_dtype=tokens_dtype, **attributes)
 
 
 def inverse(arrays, tokens_dtype, attributes):

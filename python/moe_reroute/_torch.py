@@ -132,6 +132,32 @@ def _reroute_out_fake(tokens, expert_token_num_per_rank, permute_tokens,
         tokens_dtype=tokens_dtype,
         **_bridge.attributes(expert_token_num_type, idx_type, expert_alignment,
                              allow_spare_rows))
+    # Fake tensors alias as the traced ones do: refuse overlap here, as the kernel
+    # would, since a functionalized graph hands the kernel copies of the outputs.
+    given = [(n, t) for n, t in zip(_bridge.INPUT_NAMES, inputs) if t is not None]
+    described = _strided(given + list(zip(_core.FORWARD_OUTPUT_NAMES, outputs)))
+    _core.check_disjoint(described[:len(given)], described[len(given):])
+
+
+_STORAGE_BYTES = 1 << 52  # apart: more than any tensor's storage holds
+
+
+def _strided(named) -> list:
+    """Each (name, tensor) as (name, address, dims, strides, element bytes) by
+    size hints, its address its place in its storage, the storages laid
+    _STORAGE_BYTES apart and tensors that alias one another in the same one."""
+    storages, described = [], []
+    for name, tensor in named:
+        storage = next((i for i, other in enumerate(storages)
+                        if torch._C._is_alias_of(tensor, other)), None)
+        if storage is None:
+            storage = len(storages)
+            storages.append(tensor)
+        item = tensor.element_size()
+        address = storage * _STORAGE_BYTES + _hint(tensor.storage_offset()) * item
+        described.append((name, address, [_hint(s) for s in tensor.shape],
+                          [_hint(s) for s in tensor.stride()], item))
+    return described
 
 
 @torch.library.register_fake("moe_reroute::moe_re_routing_inverse")

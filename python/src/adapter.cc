@@ -109,6 +109,35 @@ Shape stored_like(const TensorSpec& spec, std::span<const std::int64_t> input_di
   return dims;
 }
 
+ByteSpan strided_span(const char* name, const void* data, std::span<const std::int64_t> dims,
+                      std::span<const std::int64_t> strides, std::int64_t stride_bytes,
+                      std::int64_t item_bytes) {
+  const auto base = reinterpret_cast<std::uintptr_t>(data);
+  std::int64_t low = 0;
+  std::int64_t high = item_bytes;
+  for (std::size_t d = 0; d < dims.size(); ++d) {
+    if (dims[d] == 0) return {name, base, base};
+    const std::int64_t reach = (dims[d] - 1) * strides[d] * stride_bytes;
+    (reach < 0 ? low : high) += reach;
+  }
+  return {name, base + static_cast<std::uintptr_t>(low), base + static_cast<std::uintptr_t>(high)};
+}
+
+void check_out_against_copied(const RerouteOutputSpecs& specs, const RerouteOutputs& outputs,
+                              std::span<const ByteSpan> copied_inputs) {
+  check_output_specs(specs, outputs);
+  const TensorView* views[] = {&outputs.permute_tokens, &outputs.permute_per_token_scales,
+                               &outputs.permute_token_idx, &outputs.expert_token_num,
+                               &outputs.permute_topk_weight};
+  std::array<ByteSpan, kForwardOutputNames.size()> spans;
+  for (std::size_t i = 0; i < spans.size(); ++i) {
+    const auto begin = reinterpret_cast<std::uintptr_t>(views[i]->data);
+    spans[i] = {kForwardOutputNames[i], begin,
+                begin + static_cast<std::uintptr_t>(views[i]->nbytes())};
+  }
+  check_disjoint(copied_inputs, spans);
+}
+
 std::optional<std::string> scales_dtype(Storage scales) {
   if (scales.name == "uint8") return std::string(dtype_name(DType::kFloat8E8M0));
   return std::nullopt;

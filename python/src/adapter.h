@@ -78,6 +78,21 @@ std::array<TensorSpec, 3> output_specs(const InverseOutputSpecs& specs);
 /// input's storage dims): the spec's rows, then the input's trailing dims.
 Shape stored_like(const TensorSpec& spec, std::span<const std::int64_t> input_dims);
 
+/// The bytes a strided array spans: `dims` with `strides` counted in units of
+/// `stride_bytes` bytes, elements of `item_bytes` at `data` (docs/spec.md
+/// rule 10: the whole span a view touches).
+ByteSpan strided_span(const char* name, const void* data, std::span<const std::int64_t> dims,
+                      std::span<const std::int64_t> strides, std::int64_t stride_bytes,
+                      std::int64_t item_bytes);
+
+/// Rule 10 for an out= call where some inputs were copied (to C order, to
+/// native byte order) before the run, which then sees only the copies: each
+/// output's spec, then no output overlapping `copied_inputs` (the caller's
+/// memory of those inputs) or another output. Throws Error before anything is
+/// written; the run checks the rest.
+void check_out_against_copied(const RerouteOutputSpecs& specs, const RerouteOutputs& outputs,
+                              std::span<const ByteSpan> copied_inputs);
+
 /// Scales stored as uint8 are read as float8_e8m0 (docs/spec.md section 4).
 std::optional<std::string> scales_dtype(Storage scales);
 

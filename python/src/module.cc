@@ -143,10 +143,11 @@ nb::list specs_list(const std::array<TensorSpec, N>& specs, const std::array<int
   nb::list list;
   for (std::size_t i = 0; i < N; ++i) {
     const Shape& shape = specs[i].shape;
+    nb::object input = nb::none();
+    if (stored_like[i] != adapter::kOwnSpec) input = nb::int_(stored_like[i]);
     list.append(nb::make_tuple(
         std::string(dtype_name(specs[i].dtype)),
-        std::vector<std::int64_t>(shape.dims.begin(), shape.dims.begin() + shape.ndim),
-        stored_like[i] == adapter::kOwnSpec ? nb::none() : nb::int_(stored_like[i])));
+        std::vector<std::int64_t>(shape.dims.begin(), shape.dims.begin() + shape.ndim), input));
   }
   return list;
 }
@@ -272,8 +273,27 @@ void check_forward_out(const nb::sequence& inputs, const nb::sequence& outputs,
                      out_views);
 }
 
+// The memory of each (name, array) in `copied`: the caller's inputs that the
+// Python layer copied to C order or native byte order.
+std::vector<ByteSpan> copied_spans(const nb::sequence& copied, std::vector<std::string>& names) {
+  static_assert(sizeof(Py_ssize_t) == sizeof(std::int64_t));
+  std::vector<ByteSpan> spans;
+  for (nb::handle item : copied) names.push_back(nb::cast<std::string>(item[0]));
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    const Buffer buffer = buffer_of(copied[i][1], /*writable=*/false);
+    const Py_buffer& view = *buffer;
+    spans.push_back(adapter::strided_span(names[i].c_str(), view.buf,
+                                          {reinterpret_cast<const std::int64_t*>(view.shape),
+                                           static_cast<std::size_t>(view.ndim)},
+                                          {reinterpret_cast<const std::int64_t*>(view.strides),
+                                           static_cast<std::size_t>(view.ndim)},
+                                          1, view.itemsize));
+  }
+  return spans;
+}
+
 nb::tuple run_forward(const nb::sequence& inputs, const std::optional<nb::sequence>& outputs,
-                      const std::optional<std::string>& tokens_dtype,
+                      const nb::sequence& copied, const std::optional<std::string>& tokens_dtype,
                       std::int64_t expert_token_num_type, std::int64_t idx_type,
                       std::int64_t expert_alignment, bool allow_spare_rows,
                       int num_threads) {
@@ -283,6 +303,11 @@ nb::tuple run_forward(const nb::sequence& inputs, const std::optional<nb::sequen
       attributes_of(expert_token_num_type, idx_type, expert_alignment, allow_spare_rows);
   const OutputArrays out = forward_outputs(outputs, call, views, attributes);
   const RerouteOutputs out_views = forward_views(call, out.args);
+  if (outputs && nb::len(copied) > 0) {
+    std::vector<std::string> names;  // the spans' names point into these
+    adapter::check_out_against_copied(infer_reroute(views, attributes), out_views,
+                                      copied_spans(copied, names));
+  }
   {
     nb::gil_scoped_release release;
     moe_re_routing(views, out_views, attributes, num_threads);
@@ -310,6 +335,30 @@ nb::tuple run_backward(const nb::sequence& inputs, const std::optional<std::stri
     moe_re_routing_inverse(views, out_views, attributes, num_threads);
   }
   return nb::tuple(out.arrays);
+}
+
+// check_disjoint on arrays described as (name, address, dims, strides in
+// elements, element bytes).
+void check_strided(const nb::sequence& inputs, const nb::sequence& outputs) {
+  std::vector<std::string> names;
+  std::vector<ByteSpan> spans;
+  for (const nb::sequence* side : {&inputs, &outputs}) {
+    for (nb::handle item : *side) names.push_back(nb::cast<std::string>(item[0]));
+  }
+  std::size_t i = 0;
+  for (const nb::sequence* side : {&inputs, &outputs}) {
+    for (nb::handle item : *side) {
+      const auto dims = nb::cast<std::vector<std::int64_t>>(item[2]);
+      const auto strides = nb::cast<std::vector<std::int64_t>>(item[3]);
+      const auto item_bytes = nb::cast<std::int64_t>(item[4]);
+      const auto address = reinterpret_cast<const void*>(nb::cast<std::uintptr_t>(item[1]));
+      spans.push_back(adapter::strided_span(names[i++].c_str(), address, dims, strides,
+                                            item_bytes, item_bytes));
+    }
+  }
+  const std::span<const ByteSpan> all(spans);
+  const std::size_t num_inputs = nb::len(inputs);
+  check_disjoint(all.first(num_inputs), all.subspan(num_inputs));
 }
 
 nb::list table() {
@@ -367,16 +416,21 @@ NB_MODULE(_core, m) {
         "Refuses an out= call from its described arguments (no data) as the torch kernel "
         "would before reading any: the inputs, then each output's device, layout, dtype and "
         "spec.");
-  m.def("reroute", &run_forward, nb::arg("inputs"), nb::arg("outputs").none(), nb::kw_only(),
+  m.def("reroute", &run_forward, nb::arg("inputs"), nb::arg("outputs").none(), nb::arg("copied"),
+        nb::kw_only(),
         nb::arg("tokens_dtype").none(), nb::arg("expert_token_num_type"), nb::arg("idx_type"),
         nb::arg("expert_alignment"), nb::arg("allow_spare_rows"), nb::arg("num_threads") = 0,
         "Runs the forward on the CPU into the five outputs (None: fresh NumPy arrays) and "
-        "returns them; writes nothing when it raises.");
+        "returns them; writes nothing when it raises. copied: [(name, array)] of the "
+        "caller's inputs that `inputs` holds copies of, which outputs must not overlap.");
   m.def("inverse", &run_backward, nb::arg("inputs"), nb::kw_only(),
         nb::arg("tokens_dtype").none(), nb::arg("expert_alignment"), nb::arg("allow_spare_rows"),
         nb::arg("num_threads") = 0,
         "Runs the inverse on the CPU into three fresh NumPy arrays and returns them (an absent "
         "output: float32 (0,)).");
+  m.def("check_disjoint", &check_strided, nb::arg("inputs"), nb::arg("outputs"),
+        "Refuses an output overlapping an input or an earlier output (docs/spec.md rule 10), "
+        "each described as (name, address, dims, strides in elements, element bytes).");
   m.def("dtype_table", &table,
         "The dtype table: one dict per dtype (name, bits, npy_storage, torch_name and "
         "the token / scale / count roles).");

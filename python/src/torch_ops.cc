@@ -199,9 +199,25 @@ Tensor allocate(const TensorSpec& spec, const Tensor* input, const c10::Device& 
                device);
 }
 
+// `tensor` contiguous, copied where it is not; a copied one's own memory
+// (argument `arg`) is added to `copied`.
+Tensor contiguous(const Tensor& tensor, const char* arg, std::vector<ByteSpan>& copied) {
+  Tensor dense = tensor.contiguous();
+  if (!dense.is_same(tensor)) {
+    const c10::IntArrayRef sizes = tensor.sizes();
+    const c10::IntArrayRef strides = tensor.strides();
+    const std::int64_t item_bytes = tensor.element_size();
+    copied.push_back(adapter::strided_span(arg, tensor.data_ptr(), {sizes.data(), sizes.size()},
+                                           {strides.data(), strides.size()}, item_bytes,
+                                           item_bytes));
+  }
+  return dense;
+}
+
 // One call's inputs, contiguous (copied where they are not), and their views.
 struct Call {
   c10::Device device;
+  std::vector<ByteSpan> copied;  // the caller's memory of the copied inputs
   Tensor tokens;
   Tensor counts;
   OptionalTensor scales;
@@ -212,14 +228,15 @@ struct Call {
   Call(const Tensor& tokens_in, const Tensor& counts_in, const OptionalTensor& scales_in,
        const OptionalTensor& weight_in, const OptionalName& tokens_name)
       : device(call_device(tokens_in)),
-        tokens(tokens_in.contiguous()),
-        counts(given(counts_in, "expert_token_num_per_rank").contiguous()),
+        tokens(contiguous(tokens_in, "tokens", copied)),
+        counts(contiguous(given(counts_in, "expert_token_num_per_rank"),
+                          "expert_token_num_per_rank", copied)),
         tokens_dtype(name_of(tokens_name)) {
     if (scales_in) {
-      scales = scales_in->contiguous();
+      scales = contiguous(*scales_in, "per_token_scales", copied);
       scales_dtype = adapter::scales_dtype(storage(*scales));
     }
-    if (weight_in) weight = weight_in->contiguous();
+    if (weight_in) weight = contiguous(*weight_in, "expert_topk_weight", copied);
   }
 
   template <typename Inputs>
@@ -400,10 +417,15 @@ void reroute_out(const Tensor& tokens, const Tensor& counts, const Tensor& permu
     // The inputs' views first, then the outputs': the order the fake kernel checks in.
     const Call call(tokens, counts, scales, weight, tokens_dtype);
     const RerouteInputs inputs = call.inputs<RerouteInputs>();
-    run(call, inputs,
+    const RerouteOutputs outputs =
         reroute_outputs(call, permute_tokens, permute_per_token_scales, permute_token_idx,
-                        expert_token_num, permute_topk_weight),
-        attributes_of(expert_token_num_type, idx_type, expert_alignment, allow_spare_rows));
+                        expert_token_num, permute_topk_weight);
+    const Attributes attributes =
+        attributes_of(expert_token_num_type, idx_type, expert_alignment, allow_spare_rows);
+    if (!call.copied.empty()) {
+      adapter::check_out_against_copied(infer_reroute(inputs, attributes), outputs, call.copied);
+    }
+    run(call, inputs, outputs, attributes);
   });
 }
 
@@ -569,9 +591,11 @@ class InverseBackward final : public ReorderBackward {
         gradient(grads, 0), counts(), gradient_for(kScales, grads, 1),
         gradient_for(kWeight, grads, 2), kExpertTokenNumCumsum, kIdxGather, tokens_dtype(),
         expert_alignment_, allow_spare_rows_);
-    // The inverse's tail input rows, past the last padded segment end (cumsum[-1]).
+    // The inverse's tail input rows, past the last padded segment end
+    // (cumsum[-1]): there are some with padding room or spare rows.
+    const bool tail = expert_alignment_ > 1 || allow_spare_rows_;
     return input_gradients(std::move(tokens), std::move(scales), std::move(weight),
-                          expert_alignment_ > 1 ? std::optional<Tensor>(cumsum[-1]) : std::nullopt);
+                           tail ? std::optional<Tensor>(cumsum[-1]) : std::nullopt);
   }
 };
 

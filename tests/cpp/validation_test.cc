@@ -10,6 +10,8 @@
 #include <functional>
 #include <limits>
 #include <ostream>
+#include <span>
+#include <string>
 
 #include "sweep.h"
 
@@ -455,6 +457,27 @@ TEST(Refusals, BaseWorkloadIsAccepted) {
   Workload back(base_config());
   inverse(back, [](InverseCall&) {});
   EXPECT_EQ(inverse_outputs_difference(back), "");
+}
+
+// check_disjoint: spans that share a byte overlap; touching or empty ones do not.
+TEST(CheckDisjoint, NamesTheFirstOverlappingOutput) {
+  const ByteSpan inputs[] = {{"tokens", 100, 200}, {"expert_token_num_per_rank", 300, 310}};
+  const auto message = [&](std::initializer_list<ByteSpan> outputs) -> std::string {
+    try {
+      check_disjoint(inputs, std::span<const ByteSpan>(outputs.begin(), outputs.size()));
+    } catch (const Error& error) {
+      EXPECT_EQ(error.code(), ErrorCode::kInvalidArgument);
+      return error.what();
+    }
+    return "";
+  };
+  EXPECT_EQ(message({{"permute_tokens", 200, 300}, {"expert_token_num", 310, 320}}), "");
+  EXPECT_EQ(message({{"permute_tokens", 150, 150}, {"permute_token_idx", 0, 0}}), "");
+  EXPECT_EQ(message({{"permute_tokens", 0, 101}}), "permute_tokens: overlaps input tokens");
+  EXPECT_EQ(message({{"permute_tokens", 400, 500}, {"expert_token_num", 305, 306}}),
+            "expert_token_num: overlaps input expert_token_num_per_rank");
+  EXPECT_EQ(message({{"permute_tokens", 400, 500}, {"permute_topk_weight", 499, 600}}),
+            "permute_topk_weight: overlaps output permute_tokens");
 }
 
 }  // namespace

@@ -71,7 +71,10 @@ BAD_INPUTS = [
     ("tokens_dtype on float16", dict(tokens_dtype="hifloat8"), TypeError,
      "tokens_dtype: 'hifloat8' names the dtype of unsigned storage, but tokens is float16"),
     ("tokens_dtype too wide", dict(tokens=np.ones((A, 4), np.uint8), tokens_dtype="bfloat16"),
-     TypeError, "tokens_dtype: 'bfloat16' .16 bits. does not fit uint8 storage of tokens"),
+     TypeError, r"^tokens_dtype: 'bfloat16' \(16 bits\) does not fit uint8 storage of tokens "
+     r"\(elements of the same width, or two FP4 elements per uint8\)$"),
+    ("tokens 0-D", dict(tokens=np.array(1.0, np.float16)), ValueError,
+     r"^tokens: must be 2-D \[A, H\], got float16\[\]$"),
 ]
 
 
@@ -147,6 +150,85 @@ def test_bad_out_raises_and_writes_nothing(framework, label, index, change, erro
         if i != index:
             data = output.numpy() if isinstance(output, torch.Tensor) else output
             assert (data.view(np.uint8) == POISON).all()
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+@pytest.mark.parametrize("name", ["per_token_scales", "expert_topk_weight"])
+def test_zero_dim_scales_or_weight_are_refused_with_one_token(framework, name):
+    """A 0-D array is not [A] with A = 1."""
+    arguments = dict(tokens=np.ones((1, 4), np.float16),
+                     expert_token_num_per_rank=np.ones((1, 1), np.int32),
+                     **{name: np.array(0.5, np.float32)})
+    if framework == "torch":
+        arguments = as_torch(arguments)
+    message = (r"^expert_topk_weight: must be \[A, 1\] or \[A\], got float32\[\]$"
+               if name == "expert_topk_weight" else r"^per_token_scales: .*got float32\[\]$")
+    for op in (moe_reroute.moe_re_routing, moe_reroute.moe_re_routing_inverse):
+        with pytest.raises(ValueError, match=message):
+            op(arguments["tokens"], arguments["expert_token_num_per_rank"],
+               **{name: arguments[name]})
+
+
+def strided_input(name):
+    """(the input `name` as a view that the call must copy, out= with one
+    output overlapping the view's memory, that output's index, the memory)."""
+    rng = np.random.default_rng(3)
+    if name == "tokens":  # every other column of [A, 8]
+        memory = rng.standard_normal((A, 8)).astype(np.float16)
+        view, index, overlapping = memory[:, ::2], 0, memory.reshape(-1)[:A * 4].reshape(A, 4)
+    elif name == "big-endian tokens":
+        memory = rng.standard_normal((A, 4)).astype(">f2")
+        view, index, overlapping = memory, 0, memory.view(np.float16)
+    elif name == "expert_token_num_per_rank":  # the transpose of a column-major copy
+        memory = COUNTS.T.copy()
+        view, index, overlapping = memory.T, 3, memory.reshape(-1)[:3]
+    elif name == "per_token_scales":
+        memory = rng.random(2 * A).astype(np.float32)
+        view, index, overlapping = memory[::2], 1, memory[A:]
+    else:  # expert_topk_weight: column 0 of [A, 2]
+        memory = rng.random((A, 2)).astype(np.float32)
+        view, index, overlapping = memory[:, :1], 4, memory.reshape(-1)[A:].reshape(A, 1)
+    outputs = poisoned_outputs("numpy")
+    outputs[index] = overlapping
+    return view, outputs, index, memory
+
+
+@pytest.mark.parametrize("framework", ["numpy", "torch"])
+@pytest.mark.parametrize("name", ["tokens", "big-endian tokens", "expert_token_num_per_rank",
+                                  "per_token_scales", "expert_topk_weight"])
+def test_out_overlapping_a_copied_input_is_refused_and_writes_nothing(framework, name):
+    """An input that is not contiguous (or not in native byte order) goes to
+    the core as a copy: out= is checked against the caller's own memory, the
+    whole span the view touches."""
+    if framework == "torch" and name == "big-endian tokens":
+        pytest.skip("torch tensors have no byte order")
+    view, outputs, index, memory = strided_input(name)
+    before = memory.copy()
+    input_name = name.removeprefix("big-endian ")
+    arguments = good() | {input_name: view}
+    if framework == "torch":  # the same views of the same memory
+        arguments = as_torch(arguments)
+        outputs = [torch.from_numpy(o) for o in outputs]
+    output_name = moe_reroute._core.FORWARD_OUTPUT_NAMES[index]
+    with pytest.raises(ValueError, match=f"^{output_name}: overlaps input {input_name}$"):
+        moe_reroute.moe_re_routing(arguments.pop("tokens"),
+                                   arguments.pop("expert_token_num_per_rank"), **arguments,
+                                   out=outputs)
+    assert memory.tobytes() == before.tobytes()
+    for i, output in enumerate(outputs):
+        if i != index:
+            data = output.numpy() if isinstance(output, torch.Tensor) else output
+            assert (data.view(np.uint8) == POISON).all()
+
+
+def test_inverse_sum_error_names_the_rows_it_derives_from():
+    """The inverse's A is its R rows less the padding room: both are named."""
+    tokens = np.ones((6, 4), np.float32)
+    counts = np.array([[1, 0, 1], [1, 1, 0]], np.int32)
+    with pytest.raises(ValueError, match=r"^expert_token_num_per_rank: counts sum to 4 but tokens "
+                                         r"has 3 rows \(its 6 rows less E \* \(k - 1\) = 3 rows "
+                                         r"of padding room\)$"):
+        moe_reroute.moe_re_routing_inverse(tokens, counts, expert_alignment=2)
 
 
 def test_read_only_numpy_out_is_refused():

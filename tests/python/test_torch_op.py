@@ -479,6 +479,36 @@ def test_decode_step_compiles_once_over_count_patterns():
                           allow_spare_rows=True)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("case", ["out aliases tokens", "two outputs share memory"])
+def test_compile_refuses_aliased_out_as_eager(backend, case):
+    """A functionalized graph hands the kernel copies of its out= tensors, so
+    the fake kernel refuses overlap as the kernel does, with its message, and
+    nothing is written."""
+    arguments = out_arguments()
+    if case == "out aliases tokens":
+        arguments["permute_tokens"] = arguments["tokens"]
+        message = "permute_tokens: overlaps input tokens"
+    else:
+        shared = torch.full((20,), 0.5)
+        arguments["permute_per_token_scales"] = shared
+        arguments["permute_topk_weight"] = shared.view(20, 1)
+        message = "permute_topk_weight: overlaps output permute_per_token_scales"
+    before = {k: v.clone() for k, v in arguments.items() if isinstance(v, torch.Tensor)}
+    eager, faked = refusals(OPS.moe_re_routing_out, arguments)
+    assert (type(eager), str(eager)) == (ValueError, message)
+    assert (type(faked), str(faked)) == (ValueError, message)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda **a: OPS.moe_re_routing_out(**a), fullgraph=True,
+                             backend=backend)
+    with pytest.raises(Exception) as caught:
+        compiled(**arguments)
+    assert f"ValueError({message!r})" in str(caught.value)
+    for name, tensor in before.items():
+        assert np.array_equal(byte_rows(arguments[name]), byte_rows(tensor)), name
+
+
 def test_out_writes_the_given_tensors():
     tokens, counts, scales, weight = workload(60, seed=5)
     out = [torch.full(t.shape, reference.POISON, dtype=torch.uint8).view(t.dtype)
@@ -592,6 +622,29 @@ def test_backward_is_the_reference_inverse_of_the_gradients(dtype, weight_shape)
         np.testing.assert_array_equal(rows(tensor.grad), want)
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_inverse_backward_with_spare_rows_gives_unread_rows_zero(k):
+    """The inverse's tail input rows, past the padded segments, are never read,
+    so their gradient is zero, not the forward's unwritten rows: under
+    deterministic algorithms torch fills fresh memory with NaN."""
+    counts = torch.tensor([[1, 0], [1, 1]], dtype=torch.int32)
+    num_rows = 6 + 2 * (k - 1)
+    inputs = [torch.randn(num_rows, *trail, requires_grad=True) for trail in ((2,), (), (1,))]
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        restored = moe_reroute.moe_re_routing_inverse(
+            inputs[0], counts, per_token_scales=inputs[1], expert_topk_weight=inputs[2],
+            expert_alignment=k, allow_spare_rows=True)
+        sum(r[:3].sum() for r in restored).backward()
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    read = reference.valid_rows(counts.numpy(), k)
+    for tensor in inputs:
+        assert torch.isfinite(tensor.grad).all()
+        assert (tensor.grad[read:] == 0).all()
+
+
 def test_inverse_backward_is_the_reference_forward_of_the_gradients():
     tokens, counts, scales, weight = workload(30, seed=7, tokens_dtype=torch.float32,
                                               requires_grad=True)
@@ -644,7 +697,8 @@ def data_outputs(outputs):
     return (outputs[0], outputs[1], outputs[4]) if len(outputs) == 5 else tuple(outputs)
 
 
-@pytest.mark.parametrize("k, spare", [(1, False), (4, True)], ids=["dense", "k = 4, spare rows"])
+@pytest.mark.parametrize("k, spare", [(1, False), (1, True), (4, True)],
+                         ids=["dense", "spare rows", "k = 4, spare rows"])
 def test_func_vjp_is_the_reference_reorder_of_the_cotangents(k, spare):
     """torch.func's backward transforms take the ops' graph nodes: the vjp of
     the forward is the reference inverse of the cotangents (the spare input
