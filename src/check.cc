@@ -1,8 +1,11 @@
 #include <cstdint>
+#include <iterator>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "check.h"
+#include "moe_reroute/operator.h"
 
 namespace moe_reroute::detail {
 namespace {
@@ -37,28 +40,31 @@ void check_dtype_value(const TensorView& view, const char* name) {
 }
 
 std::vector<NamedView> named_outputs(const RerouteOutputs& outputs) {
-  return {{"permute_tokens", &outputs.permute_tokens},
-          {"permute_per_token_scales", &outputs.permute_per_token_scales},
-          {"permute_token_idx", &outputs.permute_token_idx},
-          {"expert_token_num", &outputs.expert_token_num},
-          {"permute_topk_weight", &outputs.permute_topk_weight}};
+  const TensorView* views[] = {&outputs.permute_tokens, &outputs.permute_per_token_scales,
+                               &outputs.permute_token_idx, &outputs.expert_token_num,
+                               &outputs.permute_topk_weight};
+  std::vector<NamedView> named;
+  for (std::size_t i = 0; i < std::size(views); ++i) {
+    named.push_back({reroute_desc().outputs[i].name.data(), views[i]});
+  }
+  return named;
 }
 
 std::vector<NamedView> named_outputs(const InverseInputs& inputs, const InverseOutputs& outputs) {
-  if (outputs.restored_per_token_scales.has_value() != inputs.per_token_scales.has_value()) {
-    fail(ErrorCode::kInvalidArgument,
-         "restored_per_token_scales: must be given exactly when per_token_scales is");
-  }
-  if (outputs.restored_topk_weight.has_value() != inputs.expert_topk_weight.has_value()) {
-    fail(ErrorCode::kInvalidArgument,
-         "restored_topk_weight: must be given exactly when expert_topk_weight is");
-  }
-  std::vector<NamedView> named = {{"restored_tokens", &outputs.restored_tokens}};
-  if (outputs.restored_per_token_scales) {
-    named.push_back({"restored_per_token_scales", &*outputs.restored_per_token_scales});
-  }
-  if (outputs.restored_topk_weight) {
-    named.push_back({"restored_topk_weight", &*outputs.restored_topk_weight});
+  const auto given = [](const std::optional<TensorView>& view) { return view ? &*view : nullptr; };
+  const TensorView* inputs_of[] = {&inputs.tokens, &inputs.expert_token_num_per_rank,
+                                   given(inputs.per_token_scales), given(inputs.expert_topk_weight)};
+  const TensorView* views[] = {&outputs.restored_tokens, given(outputs.restored_per_token_scales),
+                               given(outputs.restored_topk_weight)};
+  std::vector<NamedView> named;
+  for (std::size_t i = 0; i < std::size(views); ++i) {
+    const OutputDesc& output = inverse_desc().outputs[i];
+    const auto like = static_cast<std::size_t>(output.stored_like);
+    if (output.optional && (views[i] != nullptr) != (inputs_of[like] != nullptr)) {
+      fail(ErrorCode::kInvalidArgument, std::string(output.name) + ": must be given exactly when " +
+                                            std::string(inverse_desc().inputs[like].name) + " is");
+    }
+    if (views[i]) named.push_back({output.name.data(), views[i]});
   }
   return named;
 }

@@ -5,11 +5,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "moe_reroute/error.h"
 #include "moe_reroute/export.h"
+#include "moe_reroute/operator.h"
 #include "moe_reroute/reroute.h"
 #include "moe_reroute/tensor.h"
 
@@ -86,10 +88,13 @@ std::vector<TensorSpec> input_specs(const Inputs& inputs) {
 /// The given inputs with their argument names, in plan order.
 template <typename Inputs>
 std::vector<NamedView> named_inputs(const Inputs& inputs) {
-  std::vector<NamedView> named = {{"tokens", &inputs.tokens},
-                                  {"expert_token_num_per_rank", &inputs.expert_token_num_per_rank}};
-  if (inputs.per_token_scales) named.push_back({"per_token_scales", &*inputs.per_token_scales});
-  if (inputs.expert_topk_weight) named.push_back({"expert_topk_weight", &*inputs.expert_topk_weight});
+  const std::span<const InputDesc> names = reroute_desc().inputs;
+  std::vector<NamedView> named = {{names[0].name.data(), &inputs.tokens},
+                                  {names[1].name.data(), &inputs.expert_token_num_per_rank}};
+  if (inputs.per_token_scales) named.push_back({names[2].name.data(), &*inputs.per_token_scales});
+  if (inputs.expert_topk_weight) {
+    named.push_back({names[3].name.data(), &*inputs.expert_topk_weight});
+  }
   return named;
 }
 

@@ -4,6 +4,7 @@
 
 #include "moe_reroute/dtype.h"
 #include "moe_reroute/error.h"
+#include "moe_reroute/operator.h"
 #include "moe_reroute/reroute.h"
 #include "moe_reroute/tensor.h"
 #include "moe_reroute/version.h"

@@ -112,9 +112,9 @@ def moe_re_routing(tokens, expert_token_num_per_rank, *, per_token_scales=None,
         return out
     _refuse_torch(tokens)
     return _numpy.reroute(
-        (tokens, expert_token_num_per_rank, per_token_scales, expert_topk_weight), tokens_dtype,
-        _bridge.attributes(expert_token_num_type, idx_type, expert_alignment, allow_spare_rows),
-        out)
+        (tokens, expert_token_num_per_rank, per_token_scales, expert_topk_weight),
+        *_bridge.attributes(_bridge.REROUTE, (expert_token_num_type, idx_type, tokens_dtype,
+                                              expert_alignment, allow_spare_rows)), out)
 
 
 def moe_re_routing_inverse(tokens, expert_token_num_per_rank, *, per_token_scales=None,
@@ -132,5 +132,5 @@ def moe_re_routing_inverse(tokens, expert_token_num_per_rank, *, per_token_scale
             tokens_dtype, expert_alignment, allow_spare_rows)
     _refuse_torch(tokens)
     return _numpy.inverse(
-        (tokens, expert_token_num_per_rank, per_token_scales, expert_topk_weight), tokens_dtype,
-        _bridge.inverse_attributes(expert_alignment, allow_spare_rows))
+        (tokens, expert_token_num_per_rank, per_token_scales, expert_topk_weight),
+        *_bridge.attributes(_bridge.INVERSE, (tokens_dtype, expert_alignment, allow_spare_rows)))

@@ -12,7 +12,12 @@ from . import _core
 TABLE = tuple(_core.dtype_table())
 _ROWS = {row["name"]: row for row in TABLE}
 
-INPUT_NAMES = ("tokens", "expert_token_num_per_rank", "per_token_scales", "expert_topk_weight")
+# The core's description of each operator: its inputs, outputs and attributes.
+OPERATORS = _core.OPERATORS
+REROUTE, INVERSE = OPERATORS  # moe_re_routing, moe_re_routing_inverse
+INPUT_NAMES = tuple(name for name, _ in OPERATORS[REROUTE]["inputs"])
+OUTPUT_NAMES = {op: tuple(output[0] for output in desc["outputs"])
+                for op, desc in OPERATORS.items()}
 
 
 def row(name: str) -> dict:
@@ -52,27 +57,25 @@ def checked(name: str, value, kind):
     raise TypeError(f"{name}: expected {kind.__name__}, got {type_name(value)}")
 
 
-def attributes(expert_token_num_type, idx_type, expert_alignment, allow_spare_rows) -> dict:
-    """The forward's attributes as the core module takes them, type-checked."""
-    return dict(expert_token_num_type=checked("expert_token_num_type", expert_token_num_type, int),
-                idx_type=checked("idx_type", idx_type, int),
-                **inverse_attributes(expert_alignment, allow_spare_rows))
+_KINDS = {"int": int, "bool": bool, "dtype_name": str}
 
 
-def inverse_attributes(expert_alignment, allow_spare_rows) -> dict:
-    return dict(expert_alignment=checked("expert_alignment", expert_alignment, int),
-                allow_spare_rows=checked("allow_spare_rows", allow_spare_rows, bool))
+def attributes(op: str, values) -> tuple:
+    """(the core's Attributes, tokens_dtype) from `values`, the attributes of
+    `op` in its description's order, each type-checked (tokens_dtype: a str
+    or None)."""
+    result, tokens_dtype = _core.Attributes(), None
+    for (name, kind, _), value in zip(OPERATORS[op]["attributes"], values):
+        if kind == "dtype_name":
+            tokens_dtype = None if value is None else checked(name, value, str)
+        else:
+            setattr(result, name, checked(name, value, _KINDS[kind]))
+    return result, tokens_dtype
 
 
 def forward_out(out) -> tuple:
     """`out` as a tuple; ValueError unless it holds the forward's five outputs."""
     out = tuple(out)
-    if len(out) != len(_core.FORWARD_OUTPUT_NAMES):
-        raise ValueError(f"out: expected {len(_core.FORWARD_OUTPUT_NAMES)} outputs, "
-                         f"got {len(out)}")
+    if len(out) != len(OUTPUT_NAMES[REROUTE]):
+        raise ValueError(f"out: expected {len(OUTPUT_NAMES[REROUTE])} outputs, got {len(out)}")
     return out
-
-
-def tokens_name(tokens_dtype):
-    """tokens_dtype, if None or a str; else TypeError naming it."""
-    return None if tokens_dtype is None else checked("tokens_dtype", tokens_dtype, str)

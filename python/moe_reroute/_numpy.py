@@ -69,19 +69,17 @@ def outputs(arrays, names) -> list:
     return described
 
 
-def reroute(arrays, tokens_dtype, attributes, out):
+def reroute(arrays, attributes, tokens_dtype, out):
     """The forward into `out` (checked, described) or, without it, into fresh
     arrays that the core allocates by its own specs."""
-    tokens_dtype = _bridge.tokens_name(tokens_dtype)
     described = inputs(arrays)
     copied = []
     if out is not None:
-        out = outputs(out, _core.FORWARD_OUTPUT_NAMES)
+        out = outputs(out, _bridge.OUTPUT_NAMES[_bridge.REROUTE])
         # The caller's own arrays where the core gets copies: out= must not overlap them.
         copied = [(d[0], a) for a, d in zip(arrays, described) if d is not None and d[4] is not a]
-    return _core.reroute(described, out, copied, tokens_dtype=tokens_dtype, **attributes)
+    return _core.reroute(described, out, copied, attributes, tokens_dtype)
 
 
-def inverse(arrays, tokens_dtype, attributes):
-    tokens_dtype = _bridge.tokens_name(tokens_dtype)
-    return _core.inverse(inputs(arrays), tokens_dtype=tokens_dtype, **attributes)
+def inverse(arrays, attributes, tokens_dtype):
+    return _core.inverse(inputs(arrays), attributes, tokens_dtype)

@@ -68,26 +68,34 @@ def _describe(tensor, name: str, rows: int = 0, experts: int = 0, output: bool =
             None, str(tensor.device), tensor.is_contiguous() if output else True)
 
 
-def _infer(infer, tensors, rows=0, experts=0, **kwargs) -> list:
+def _attributes(op: str, values) -> tuple:
+    """(the core's Attributes, tokens_dtype) of `op`'s attribute `values` as
+    the dispatcher passes them: positional, in schema order, those left at
+    their defaults at the end left out."""
+    defaults = [default for _, _, default in _bridge.OPERATORS[op]["attributes"]]
+    return _bridge.attributes(op, (*values, *defaults[len(values):]))
+
+
+def _infer(infer, tensors, attributes, rows=0, experts=0) -> list:
     described = [_describe(t, n, rows, experts)
                  for t, n in zip(tensors, _bridge.INPUT_NAMES)]
-    return infer(described, **kwargs)
+    return infer(described, *attributes)
 
 
-def _fake(infer, tensors, **kwargs) -> tuple:
+def _fake(infer, tensors, attributes) -> tuple:
     """Fake outputs: the core decides (raising eager's error) on the size
     hints; each output's row count is then rebuilt from the symbolic A (tokens'
     rows) and E (the counts' dim 1): the core is probed at A + 1 and E + 1
     where they are symbolic, the rules being affine in A and E. Each output is
     stored like the input the core names for it (its dtype, its trailing dims),
     or as its spec, as the C++ kernel allocates it."""
-    specs = _infer(infer, tensors, **kwargs)
+    specs = _infer(infer, tensors, attributes)
     tokens, counts = tensors[0], tensors[1]
     terms = []
     for size, key in ((tokens.shape[0], "rows"),
                       (counts.shape[1] if counts.dim() > 1 else 0, "experts")):
         if isinstance(size, torch.SymInt):
-            probed = _infer(infer, tensors, **{key: 1}, **kwargs)
+            probed = _infer(infer, tensors, attributes, **{key: 1})
             terms.append((size, _hint(size), [p[1][0] - s[1][0] if s[1] else 0
                                               for p, s in zip(probed, specs)]))
     outputs = []
@@ -107,35 +115,26 @@ def _fake(infer, tensors, **kwargs) -> tuple:
 
 @torch.library.register_fake("moe_reroute::moe_re_routing")
 def _reroute_fake(tokens, expert_token_num_per_rank, per_token_scales=None,
-                  expert_topk_weight=None, expert_token_num_type=1, idx_type=0,
-                  tokens_dtype=None, expert_alignment=1, allow_spare_rows=False):
+                  expert_topk_weight=None, *attributes):
     return _fake(_core.infer_reroute,
                  (tokens, expert_token_num_per_rank, per_token_scales, expert_topk_weight),
-                 tokens_dtype=tokens_dtype,
-                 **_bridge.attributes(expert_token_num_type, idx_type, expert_alignment,
-                                      allow_spare_rows))
+                 _attributes(_bridge.REROUTE, attributes))
 
 
 @torch.library.register_fake("moe_reroute::moe_re_routing_out")
-def _reroute_out_fake(tokens, expert_token_num_per_rank, permute_tokens,
-                      permute_per_token_scales, permute_token_idx, expert_token_num,
-                      permute_topk_weight, per_token_scales=None, expert_topk_weight=None,
-                      expert_token_num_type=1, idx_type=0, tokens_dtype=None,
-                      expert_alignment=1, allow_spare_rows=False):
+def _reroute_out_fake(tokens, expert_token_num_per_rank, *outputs_and_rest):
     # Every argument is checked as the kernel checks it before reading data.
-    inputs = (tokens, expert_token_num_per_rank, per_token_scales, expert_topk_weight)
-    outputs = (permute_tokens, permute_per_token_scales, permute_token_idx, expert_token_num,
-               permute_topk_weight)
+    outputs, rest = outputs_and_rest[:5], (*outputs_and_rest[5:], None, None)
+    inputs = (tokens, expert_token_num_per_rank, *rest[:2])
+    names = _bridge.OUTPUT_NAMES[_bridge.REROUTE]
     _core.check_reroute_out(
         [_describe(t, n) for t, n in zip(inputs, _bridge.INPUT_NAMES)],
-        [_describe(t, n, output=True) for t, n in zip(outputs, _core.FORWARD_OUTPUT_NAMES)],
-        tokens_dtype=tokens_dtype,
-        **_bridge.attributes(expert_token_num_type, idx_type, expert_alignment,
-                             allow_spare_rows))
+        [_describe(t, n, output=True) for t, n in zip(outputs, names)],
+        *_attributes(_bridge.REROUTE, rest[2:-2]))
     # Fake tensors alias as the traced ones do: refuse overlap here, as the kernel
     # would, since a functionalized graph hands the kernel copies of the outputs.
     given = [(n, t) for n, t in zip(_bridge.INPUT_NAMES, inputs) if t is not None]
-    described = _strided(given + list(zip(_core.FORWARD_OUTPUT_NAMES, outputs)))
+    described = _strided(given + list(zip(names, outputs)))
     _core.check_disjoint(described[:len(given)], described[len(given):])
 
 
@@ -162,12 +161,10 @@ def _strided(named) -> list:
 
 @torch.library.register_fake("moe_reroute::moe_re_routing_inverse")
 def _inverse_fake(tokens, expert_token_num_per_rank, per_token_scales=None,
-                  expert_topk_weight=None, tokens_dtype=None, expert_alignment=1,
-                  allow_spare_rows=False):
+                  expert_topk_weight=None, *attributes):
     return _fake(_core.infer_inverse,
                  (tokens, expert_token_num_per_rank, per_token_scales, expert_topk_weight),
-                 tokens_dtype=tokens_dtype,
-                 **_bridge.inverse_attributes(expert_alignment, allow_spare_rows))
+                 _attributes(_bridge.INVERSE, attributes))
 
 
 # ---- torch.vmap: the layout once for a batch that shares its counts ----
@@ -218,36 +215,38 @@ def _per_entry(op, info, in_dims, args):
     return tuple(torch.stack(column) for column in zip(*entries)), (0,) * len(entries[0])
 
 
-def _vmap_rule(op, defaults, infer, attributes_of, gather_index, data_outputs):
-    """The vmap rule of `op` (tokens, counts, scales, weight, then its
-    attributes, tokens_dtype third from last; `defaults` from scales on, for
-    the trailing arguments the dispatcher leaves out at their defaults).
-    `infer` with `attributes_of(attributes)` checks one entry as the operator
-    does; `gather_index(tokens, counts, outputs, attributes)` is the row of
-    each output row's source (-1: none); `data_outputs` are the outputs of
-    tokens, scales and weight."""
+def _vmap_rule(name, infer, gather_index, data_outputs):
+    """The vmap rule of the operator `name` (tokens, counts, scales, weight,
+    then its attributes). `infer` checks one entry as the operator does;
+    `gather_index(tokens, counts, outputs, attributes)` is the row of each
+    output row's source (-1: none); `data_outputs` are the outputs of tokens,
+    scales and weight."""
+    op = getattr(OPS, name).default
+    defaults = (None, None, *(d for _, _, d in _bridge.OPERATORS[name]["attributes"]))
+
     def rule(info, in_dims, *args):
-        args = (*args, *defaults[len(args) - 2:])
+        args = (*args, *defaults[len(args) - 2:])  # the dispatcher leaves out trailing defaults
         in_dims = tuple(d if d is None or d >= 0 else d + a.dim()
                         for a, d in zip(args, (*in_dims, *[None] * (len(args) - len(in_dims)))))
-        tensors, dims, attributes = args[:4], in_dims[:4], args[4:]
+        tensors, dims, values = args[:4], in_dims[:4], args[4:]
+        attributes = _bridge.attributes(name, values)
         if info.batch_size == 0:  # the entries' outputs by their specs, none of them
             entry = [None if t is None else torch.empty(
                 t.shape if d is None else t.shape[:d] + t.shape[d + 1:], dtype=t.dtype,
                 device="meta") for t, d in zip(tensors, dims)]
-            specs = _fake(infer, entry, **attributes_of(attributes))
+            specs = _fake(infer, entry, attributes)
             return (tuple(tensors[0].new_empty((0, *o.shape), dtype=o.dtype) for o in specs),
                     (0,) * len(specs))
         if dims[1] is not None:
             return _per_entry(op, info, in_dims, args)
         entry = [t if d is None else t.select(d, 0) for t, d in zip(tensors, dims)]
-        _infer(infer, entry, **attributes_of(attributes))
+        _infer(infer, entry, attributes)
         shared_tokens = (entry[0] if dims[0] is None else
                          _bytes(entry[0])[:, :1].contiguous().view(entry[0].dtype))
         outputs = list(op(shared_tokens, tensors[1], *(t if d is None else None
                                                        for t, d in zip(tensors[2:], dims[2:])),
-                          *attributes))
-        index = gather_index(entry[0], tensors[1], outputs, attributes)
+                          *values))
+        index = gather_index(entry[0], tensors[1], outputs, attributes[0])
         out_dims = [None] * len(outputs)
         for slot, output in zip((0, 2, 3), data_outputs):
             if dims[slot] is not None:
@@ -257,31 +256,31 @@ def _vmap_rule(op, defaults, infer, attributes_of, gather_index, data_outputs):
     return rule
 
 
-def _index(num_rows, counts, idx_type, expert_alignment, allow_spare_rows):
-    """The forward's permute_token_idx for `num_rows` rows (from a call on one
-    byte a row)."""
+_FORWARD_ATTRIBUTES = _bridge.OPERATORS[_bridge.REROUTE]["attributes"]
+
+
+def _index(num_rows, counts, attributes, idx_type):
+    """The forward's permute_token_idx of `idx_type` for `num_rows` rows and
+    the core's `attributes` (from a call on one byte a row)."""
     rows = torch.empty(num_rows, 1, dtype=torch.uint8, device=counts.device)
-    return OPS.moe_re_routing.default(rows, counts, None, None, 1, idx_type, None,
-                                      expert_alignment, allow_spare_rows)[2]
+    values = [idx_type if name == "idx_type" else
+              None if kind == "dtype_name" else getattr(attributes, name)
+              for name, kind, _ in _FORWARD_ATTRIBUTES]
+    return OPS.moe_re_routing.default(rows, counts, None, None, *values)[2]
 
 
 def _forward_gather_index(tokens, counts, outputs, attributes):
-    idx_type, expert_alignment, allow_spare_rows = attributes[1], *attributes[3:]
-    if idx_type == _GATHER:
+    if attributes.idx_type == _GATHER:
         return outputs[2]
-    return _index(tokens.shape[0], counts, _GATHER, expert_alignment, allow_spare_rows)
+    return _index(tokens.shape[0], counts, attributes, _GATHER)
 
 
 def _inverse_gather_index(tokens, counts, outputs, attributes):
     # Each restored row comes from where the forward scatters it.
-    return _index(outputs[0].shape[0], counts, _SCATTER, *attributes[1:])
+    return _index(outputs[0].shape[0], counts, attributes, _SCATTER)
 
 
 torch.library.register_vmap("moe_reroute::moe_re_routing", _vmap_rule(
-    OPS.moe_re_routing.default, (None, None, 1, 0, None, 1, False), _core.infer_reroute,
-    lambda a: dict(tokens_dtype=a[2], **_bridge.attributes(a[0], a[1], a[3], a[4])),
-    _forward_gather_index, (0, 1, 4)))
+    _bridge.REROUTE, _core.infer_reroute, _forward_gather_index, (0, 1, 4)))
 torch.library.register_vmap("moe_reroute::moe_re_routing_inverse", _vmap_rule(
-    OPS.moe_re_routing_inverse.default, (None, None, None, 1, False), _core.infer_inverse,
-    lambda a: dict(tokens_dtype=a[0], **_bridge.inverse_attributes(a[1], a[2])),
-    _inverse_gather_index, (0, 1, 2)))
+    _bridge.INVERSE, _core.infer_inverse, _inverse_gather_index, (0, 1, 2)))

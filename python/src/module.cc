@@ -130,21 +130,15 @@ struct Inputs {
   }
 };
 
-Attributes attributes_of(std::int64_t expert_token_num_type, std::int64_t idx_type,
-                         std::int64_t expert_alignment,
-                         bool allow_spare_rows) {
-  return {expert_token_num_type, idx_type, expert_alignment, allow_spare_rows};
-}
-
 // (dtype name, shape, the index of the input it is stored like or None) of
-// each output spec: what the torch fake kernels allocate by.
+// each output spec of `op`: what the torch fake kernels allocate by.
 template <std::size_t N>
-nb::list specs_list(const std::array<TensorSpec, N>& specs, const std::array<int, N>& stored_like) {
+nb::list specs_list(const std::array<TensorSpec, N>& specs, const OperatorDesc& op) {
   nb::list list;
   for (std::size_t i = 0; i < N; ++i) {
     const Shape& shape = specs[i].shape;
     nb::object input = nb::none();
-    if (stored_like[i] != adapter::kOwnSpec) input = nb::int_(stored_like[i]);
+    if (op.outputs[i].stored_like != kOwnSpec) input = nb::int_(op.outputs[i].stored_like);
     list.append(nb::make_tuple(
         std::string(dtype_name(specs[i].dtype)),
         std::vector<std::int64_t>(shape.dims.begin(), shape.dims.begin() + shape.ndim), input));
@@ -152,25 +146,18 @@ nb::list specs_list(const std::array<TensorSpec, N>& specs, const std::array<int
   return list;
 }
 
-nb::list infer_forward(const nb::sequence& inputs, const std::optional<std::string>& tokens_dtype,
-                       std::int64_t expert_token_num_type, std::int64_t idx_type,
-                       std::int64_t expert_alignment,
-                       bool allow_spare_rows) {
+nb::list infer_forward(const nb::sequence& inputs, const Attributes& attributes,
+                       const std::optional<std::string>& tokens_dtype) {
   const Inputs call(inputs, tokens_dtype);
-  const RerouteOutputSpecs specs =
-      infer_reroute(call.views<RerouteInputs>(),
-                    attributes_of(expert_token_num_type, idx_type, expert_alignment,
-                                  allow_spare_rows));
-  return specs_list(adapter::output_specs(specs), adapter::kForwardStoredLike);
+  return specs_list(adapter::output_specs(infer_reroute(call.views<RerouteInputs>(), attributes)),
+                    reroute_desc());
 }
 
-nb::list infer_backward(const nb::sequence& inputs, const std::optional<std::string>& tokens_dtype,
-                        std::int64_t expert_alignment, bool allow_spare_rows) {
+nb::list infer_backward(const nb::sequence& inputs, const Attributes& attributes,
+                        const std::optional<std::string>& tokens_dtype) {
   const Inputs call(inputs, tokens_dtype);
-  const InverseOutputSpecs specs = infer_inverse(
-      call.views<InverseInputs>(),
-      attributes_of(kExpertTokenNumCount, kIdxGather, expert_alignment, allow_spare_rows));
-  return specs_list(adapter::output_specs(specs), adapter::kInverseStoredLike);
+  return specs_list(adapter::output_specs(infer_inverse(call.views<InverseInputs>(), attributes)),
+                    inverse_desc());
 }
 
 // numpy.empty, looked up once and never released: a static Python object
@@ -186,36 +173,35 @@ struct OutputArrays {
   nb::list arrays;
   std::vector<Arg> args;
 
-  // Fresh arrays by the core's specs, each stored as adapter.h's `stored_like`
-  // says: like its input (that input's dtype, its trailing dims) where given,
-  // else in the spec's dtype.
+  // Fresh arrays by the core's specs, each stored as `op` says: like its
+  // input (that input's dtype, its trailing dims) where given, else in the
+  // spec's dtype.
   template <std::size_t N>
-  OutputArrays(const std::array<TensorSpec, N>& specs, const std::array<int, N>& stored_like,
-               const std::array<const char*, N>& names, const Inputs& call) {
+  OutputArrays(const std::array<TensorSpec, N>& specs, const OperatorDesc& op, const Inputs& call) {
     for (std::size_t i = 0; i < N; ++i) {
-      const std::optional<Arg>* input =
-          stored_like[i] == adapter::kOwnSpec ? nullptr : &call.args[stored_like[i]];
-      fresh(specs[i], input && *input ? &**input : nullptr, names[i]);
+      const int like = op.outputs[i].stored_like;
+      const std::optional<Arg>* input = like == kOwnSpec ? nullptr : &call.args[like];
+      fresh(specs[i], input && *input ? &**input : nullptr, op.outputs[i].name);
     }
   }
 
-  // The outputs the caller gave (described), named `names`.
-  template <std::size_t N>
-  explicit OutputArrays(const nb::sequence& outputs, const std::array<const char*, N>& names) {
+  // The outputs of `op` the caller gave (described).
+  OutputArrays(const nb::sequence& outputs, const OperatorDesc& op) {
+    const std::size_t n = op.outputs.size();
     for (nb::handle item : outputs) {
       std::optional<Arg> arg = arg_of(item, /*writable=*/true);
-      if (!arg) adapter::fail_none(args.size() < N ? names[args.size()] : "out");
+      if (!arg) adapter::fail_none(args.size() < n ? op.outputs[args.size()].name : "out");
       args.push_back(std::move(*arg));
       arrays.append(nb::cast<nb::tuple>(item)[4]);
     }
-    if (args.size() != N) {
-      fail(ErrorCode::kInvalidArgument, "out: expected " + std::to_string(N) + " outputs, got " +
+    if (args.size() != n) {
+      fail(ErrorCode::kInvalidArgument, "out: expected " + std::to_string(n) + " outputs, got " +
                                             std::to_string(args.size()));
     }
   }
 
  private:
-  void fresh(const TensorSpec& spec, const Arg* input, const char* name) {
+  void fresh(const TensorSpec& spec, const Arg* input, std::string_view name) {
     Arg& arg = args.emplace_back();
     arg.name = name;
     nb::object dtype;
@@ -241,9 +227,9 @@ struct OutputArrays {
 // The outputs of a forward call: the caller's, or fresh by the inferred specs.
 OutputArrays forward_outputs(const std::optional<nb::sequence>& outputs, const Inputs& call,
                              const RerouteInputs& views, const Attributes& attributes) {
-  if (outputs) return OutputArrays(*outputs, adapter::kForwardOutputNames);
-  return OutputArrays(adapter::output_specs(infer_reroute(views, attributes)),
-                      adapter::kForwardStoredLike, adapter::kForwardOutputNames, call);
+  if (outputs) return OutputArrays(*outputs, reroute_desc());
+  return OutputArrays(adapter::output_specs(infer_reroute(views, attributes)), reroute_desc(),
+                      call);
 }
 
 // The forward's output views, read as the torch kernel reads out= tensors.
@@ -261,16 +247,13 @@ RerouteOutputs forward_views(const Inputs& call, const std::vector<Arg>& args) {
 // inputs' views, the outputs' (device, layout, dtype), the shape rules, then
 // each output's spec.
 void check_forward_out(const nb::sequence& inputs, const nb::sequence& outputs,
-                       const std::optional<std::string>& tokens_dtype,
-                       std::int64_t expert_token_num_type, std::int64_t idx_type,
-                       std::int64_t expert_alignment, bool allow_spare_rows) {
+                       const Attributes& attributes,
+                       const std::optional<std::string>& tokens_dtype) {
   const Inputs call(inputs, tokens_dtype);
   const RerouteInputs views = call.views<RerouteInputs>();
-  const OutputArrays out(outputs, adapter::kForwardOutputNames);
+  const OutputArrays out(outputs, reroute_desc());
   const RerouteOutputs out_views = forward_views(call, out.args);
-  check_output_specs(infer_reroute(views, attributes_of(expert_token_num_type, idx_type,
-                                                        expert_alignment, allow_spare_rows)),
-                     out_views);
+  check_output_specs(infer_reroute(views, attributes), out_views);
 }
 
 // The memory of each (name, array) in `copied`: the caller's inputs that the
@@ -293,14 +276,10 @@ std::vector<ByteSpan> copied_spans(const nb::sequence& copied, std::vector<std::
 }
 
 nb::tuple run_forward(const nb::sequence& inputs, const std::optional<nb::sequence>& outputs,
-                      const nb::sequence& copied, const std::optional<std::string>& tokens_dtype,
-                      std::int64_t expert_token_num_type, std::int64_t idx_type,
-                      std::int64_t expert_alignment, bool allow_spare_rows,
-                      int num_threads) {
+                      const nb::sequence& copied, const Attributes& attributes,
+                      const std::optional<std::string>& tokens_dtype, int num_threads) {
   const Inputs call(inputs, tokens_dtype);
   const RerouteInputs views = call.views<RerouteInputs>();
-  const Attributes attributes =
-      attributes_of(expert_token_num_type, idx_type, expert_alignment, allow_spare_rows);
   const OutputArrays out = forward_outputs(outputs, call, views, attributes);
   const RerouteOutputs out_views = forward_views(call, out.args);
   if (outputs && nb::len(copied) > 0) {
@@ -315,14 +294,12 @@ nb::tuple run_forward(const nb::sequence& inputs, const std::optional<nb::sequen
   return nb::tuple(out.arrays);
 }
 
-nb::tuple run_backward(const nb::sequence& inputs, const std::optional<std::string>& tokens_dtype,
-                       std::int64_t expert_alignment, bool allow_spare_rows, int num_threads) {
+nb::tuple run_backward(const nb::sequence& inputs, const Attributes& attributes,
+                       const std::optional<std::string>& tokens_dtype, int num_threads) {
   const Inputs call(inputs, tokens_dtype);
   const InverseInputs views = call.views<InverseInputs>();
-  const Attributes attributes =
-      attributes_of(kExpertTokenNumCount, kIdxGather, expert_alignment, allow_spare_rows);
   const OutputArrays out(adapter::output_specs(infer_inverse(views, attributes)),
-                         adapter::kInverseStoredLike, adapter::kInverseOutputNames, call);
+                         inverse_desc(), call);
   const std::vector<Arg>& args = out.args;
   InverseOutputs out_views{view(args[0], call.device(), tokens_dtype, "restored_tokens")};
   if (call.args[2]) {
@@ -361,6 +338,63 @@ void check_strided(const nb::sequence& inputs, const nb::sequence& outputs) {
   check_disjoint(all.first(num_inputs), all.subspan(num_inputs));
 }
 
+// Attributes as a class with one property per attribute the descriptions name.
+void bind_attributes(nb::module_& m) {
+  auto cls = nb::class_<Attributes>(m, "Attributes",
+                                    "The operators' attributes (docs/spec.md section 2), "
+                                    "their defaults until set.")
+                 .def(nb::init<>())
+                 .def("__eq__", [](const Attributes& a, const Attributes& b) { return a == b; });
+  for (const AttributeDesc& attribute : reroute_desc().attributes) {
+    const AttributeDesc* desc = &attribute;  // static: outlives the module
+    if (desc->kind == AttributeKind::kInt) {
+      cls.def_prop_rw(
+          desc->name.data(), [desc](const Attributes& a) { return desc->get(a); },
+          [desc](Attributes& a, std::int64_t value) { desc->set(a, value); });
+    } else if (desc->kind == AttributeKind::kBool) {
+      cls.def_prop_rw(
+          desc->name.data(), [desc](const Attributes& a) { return desc->get(a) != 0; },
+          [desc](Attributes& a, bool value) { desc->set(a, value); });
+    }
+  }
+}
+
+// Each operator's description: {name: {"inputs": [(name, optional)], "outputs":
+// [(name, the index of the input it is stored like or None, optional)],
+// "attributes": [(name, "int" | "bool" | "dtype_name", default)]}}.
+nb::dict operators() {
+  nb::dict all;
+  for (const OperatorDesc* op : {&reroute_desc(), &inverse_desc()}) {
+    nb::list inputs, outputs, attributes;
+    for (const InputDesc& input : op->inputs) {
+      inputs.append(nb::make_tuple(nb::str(input.name.data()), input.optional));
+    }
+    for (const OutputDesc& output : op->outputs) {
+      nb::object like = nb::none();
+      if (output.stored_like != kOwnSpec) like = nb::int_(output.stored_like);
+      outputs.append(nb::make_tuple(nb::str(output.name.data()), like, output.optional));
+    }
+    for (const AttributeDesc& attribute : op->attributes) {
+      const char* kind = "dtype_name";
+      nb::object value = nb::none();
+      if (attribute.kind == AttributeKind::kInt) {
+        kind = "int";
+        value = nb::int_(attribute.default_value);
+      } else if (attribute.kind == AttributeKind::kBool) {
+        kind = "bool";
+        value = nb::bool_(attribute.default_value != 0);
+      }
+      attributes.append(nb::make_tuple(nb::str(attribute.name.data()), kind, value));
+    }
+    nb::dict desc;
+    desc["inputs"] = nb::tuple(inputs);
+    desc["outputs"] = nb::tuple(outputs);
+    desc["attributes"] = nb::tuple(attributes);
+    all[nb::str(op->name.data())] = desc;
+  }
+  return all;
+}
+
 nb::list table() {
   nb::list rows;
   for (const DTypeInfo& info : dtype_table()) {
@@ -384,9 +418,6 @@ NB_MODULE(_core, m) {
   using namespace moe_reroute;
   m.doc() = "The C++ core of moe_reroute; use the functions of the moe_reroute package.";
   m.attr("__version__") = MOE_REROUTE_VERSION_STRING;
-  nb::list forward_output_names;
-  for (const char* name : adapter::kForwardOutputNames) forward_output_names.append(name);
-  m.attr("FORWARD_OUTPUT_NAMES") = nb::tuple(forward_output_names);
 
   nb::register_exception_translator([](const std::exception_ptr& pointer, void*) {
     try {
@@ -400,32 +431,30 @@ NB_MODULE(_core, m) {
     }
   });
 
+  bind_attributes(m);
+  m.attr("OPERATORS") = operators();
+
   // Each argument: None or (name, storage dtype name, storage bits, shape, array or None).
-  m.def("infer_reroute", &infer_forward, nb::arg("inputs"), nb::kw_only(),
-        nb::arg("tokens_dtype").none(), nb::arg("expert_token_num_type"), nb::arg("idx_type"),
-        nb::arg("expert_alignment"), nb::arg("allow_spare_rows"),
+  m.def("infer_reroute", &infer_forward, nb::arg("inputs"), nb::arg("attributes"),
+        nb::arg("tokens_dtype").none(),
         "The five output specs [(dtype name, logical shape, the index of the input it is "
         "stored like or None)] of the forward for inputs (tokens, counts, scales, weight); "
         "the core's infer_reroute.");
-  m.def("infer_inverse", &infer_backward, nb::arg("inputs"), nb::kw_only(),
-        nb::arg("tokens_dtype").none(), nb::arg("expert_alignment"), nb::arg("allow_spare_rows"),
+  m.def("infer_inverse", &infer_backward, nb::arg("inputs"), nb::arg("attributes"),
+        nb::arg("tokens_dtype").none(),
         "The three output specs of the inverse (an absent output: float32 (0,)).");
   m.def("check_reroute_out", &check_forward_out, nb::arg("inputs"), nb::arg("outputs"),
-        nb::kw_only(), nb::arg("tokens_dtype").none(), nb::arg("expert_token_num_type"),
-        nb::arg("idx_type"), nb::arg("expert_alignment"), nb::arg("allow_spare_rows"),
+        nb::arg("attributes"), nb::arg("tokens_dtype").none(),
         "Refuses an out= call from its described arguments (no data) as the torch kernel "
         "would before reading any: the inputs, then each output's device, layout, dtype and "
         "spec.");
   m.def("reroute", &run_forward, nb::arg("inputs"), nb::arg("outputs").none(), nb::arg("copied"),
-        nb::kw_only(),
-        nb::arg("tokens_dtype").none(), nb::arg("expert_token_num_type"), nb::arg("idx_type"),
-        nb::arg("expert_alignment"), nb::arg("allow_spare_rows"), nb::arg("num_threads") = 0,
+        nb::arg("attributes"), nb::arg("tokens_dtype").none(), nb::arg("num_threads") = 0,
         "Runs the forward on the CPU into the five outputs (None: fresh NumPy arrays) and "
         "returns them; writes nothing when it raises. copied: [(name, array)] of the "
         "caller's inputs that `inputs` holds copies of, which outputs must not overlap.");
-  m.def("inverse", &run_backward, nb::arg("inputs"), nb::kw_only(),
-        nb::arg("tokens_dtype").none(), nb::arg("expert_alignment"), nb::arg("allow_spare_rows"),
-        nb::arg("num_threads") = 0,
+  m.def("inverse", &run_backward, nb::arg("inputs"), nb::arg("attributes"),
+        nb::arg("tokens_dtype").none(), nb::arg("num_threads") = 0,
         "Runs the inverse on the CPU into three fresh NumPy arrays and returns them (an absent "
         "output: float32 (0,)).");
   m.def("check_disjoint", &check_strided, nb::arg("inputs"), nb::arg("outputs"),

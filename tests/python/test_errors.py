@@ -209,7 +209,7 @@ def test_out_overlapping_a_copied_input_is_refused_and_writes_nothing(framework,
     if framework == "torch":  # the same views of the same memory
         arguments = as_torch(arguments)
         outputs = [torch.from_numpy(o) for o in outputs]
-    output_name = moe_reroute._core.FORWARD_OUTPUT_NAMES[index]
+    output_name = moe_reroute._bridge.OUTPUT_NAMES["moe_re_routing"][index]
     with pytest.raises(ValueError, match=f"^{output_name}: overlaps input {input_name}$"):
         moe_reroute.moe_re_routing(arguments.pop("tokens"),
                                    arguments.pop("expert_token_num_per_rank"), **arguments,
