@@ -69,9 +69,9 @@ std::vector<NamedView> named_outputs(const InverseInputs& inputs, const InverseO
   return named;
 }
 
-void check_run_arguments(const std::vector<TensorSpec>& input_specs,
+void check_run_arguments(std::span<const TensorSpec> input_specs,
                          const std::vector<NamedView>& inputs,
-                         const std::vector<TensorSpec>& output_specs,
+                         std::span<const TensorSpec> output_specs,
                          const std::vector<NamedView>& outputs) {
   if (input_specs.size() != inputs.size()) {
     fail(ErrorCode::kInvalidArgument,

@@ -76,15 +76,6 @@ struct NamedView {
   const TensorView* view;
 };
 
-/// The specs of the given inputs, in plan order: tokens, counts, scales?, weight?.
-template <typename Inputs>
-std::vector<TensorSpec> input_specs(const Inputs& inputs) {
-  std::vector<TensorSpec> specs = {inputs.tokens.spec, inputs.expert_token_num_per_rank.spec};
-  if (inputs.per_token_scales) specs.push_back(inputs.per_token_scales->spec);
-  if (inputs.expert_topk_weight) specs.push_back(inputs.expert_topk_weight->spec);
-  return specs;
-}
-
 /// The given inputs with their argument names, in plan order.
 template <typename Inputs>
 std::vector<NamedView> named_inputs(const Inputs& inputs) {
@@ -115,9 +106,9 @@ void plan_inverse(Plan& plan, const InverseInputs& inputs, const Attributes& att
 /// Rule 10 and the plan's contract: every input and output has the spec the
 /// plan holds for it, data is non-null where bytes are moved, and no output
 /// overlaps an input or another output. Throws Error.
-MOE_REROUTE_API void check_run_arguments(const std::vector<TensorSpec>& input_specs,
-                         const std::vector<NamedView>& inputs,
-                         const std::vector<TensorSpec>& output_specs,
-                         const std::vector<NamedView>& outputs);
+MOE_REROUTE_API void check_run_arguments(std::span<const TensorSpec> input_specs,
+                                         const std::vector<NamedView>& inputs,
+                                         std::span<const TensorSpec> output_specs,
+                                         const std::vector<NamedView>& outputs);
 
 }  // namespace moe_reroute::detail

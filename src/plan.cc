@@ -1,8 +1,6 @@
 // Validation, shape inference, offsets and the work split: everything that
 // reads shapes, attributes and the counts but no token data.
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -10,8 +8,10 @@
 #include <string>
 #include <utility>
 
+#include "call.h"
 #include "check.h"
 #include "moe_reroute/reroute.h"
+#include "plan_builder.h"
 
 namespace moe_reroute {
 namespace {
@@ -19,9 +19,6 @@ namespace {
 using detail::fail;
 
 constexpr std::int64_t kIndexLimit = std::numeric_limits<std::int32_t>::max();
-// Below this many bytes per thread, starting another thread costs more than it
-// saves; a larger threshold left calls of a few hundred KB on one thread.
-constexpr std::int64_t kMinBytesPerThread = 64 * 1024;
 
 std::string spec_string(const TensorView& view) { return view.spec.to_string(); }
 
@@ -275,140 +272,62 @@ void read_counts(const TensorView& counts, std::int64_t num_tokens, std::int64_t
 
 namespace detail {
 
-// Fills a plan: Plan's members are private so that no caller can edit one.
-struct PlanBuilder {
-  // The part of planning shared by both directions, once inference has passed.
-  // Every member is assigned, so that `plan` may be one made before: its
-  // vectors keep their memory.
-  template <typename Inputs>
-  static void make(Plan& plan, Direction direction, const Inputs& inputs,
-                   const Attributes& attributes, std::int64_t num_tokens,
-                   std::vector<TensorSpec> output_specs, int num_threads) {
-    if (num_threads < 0) {
-      fail(ErrorCode::kInvalidArgument,
-           "num_threads: must be >= 0 (0 = all hardware threads), got " +
-               std::to_string(num_threads));
-    }
-    plan.direction_ = direction;
-    plan.attributes_ = attributes;
-    plan.num_tokens_ = num_tokens;
-    plan.num_ranks_ = inputs.expert_token_num_per_rank.shape()[0];
-    plan.num_experts_ = inputs.expert_token_num_per_rank.shape()[1];
-    read_counts(inputs.expert_token_num_per_rank, num_tokens, inputs.tokens.shape()[0],
-                attributes.allow_spare_rows, plan.counts_);
-    plan.token_row_bytes_ = dtype_bytes(inputs.tokens.dtype(), inputs.tokens.shape()[1]);
-    plan.scale_row_bytes_ =
-        inputs.per_token_scales ? row_bytes(inputs.per_token_scales->spec) : 0;
-    plan.weight_row_bytes_ = inputs.expert_topk_weight ? std::int64_t{sizeof(float)} : 0;
-    plan.input_specs_ = input_specs(inputs);
-    plan.output_specs_ = std::move(output_specs);
-    offsets(plan);
-    split(plan, num_threads);
+void PlanBuilder::make(Plan& plan, const Call& call, const TensorView& counts, int num_threads) {
+  if (num_threads < 0) {
+    fail(ErrorCode::kInvalidArgument,
+         "num_threads: must be >= 0 (0 = all hardware threads), got " +
+             std::to_string(num_threads));
   }
+  plan.direction_ = call.direction;
+  plan.attributes_ = call.attributes;
+  plan.num_tokens_ = call.num_tokens;
+  plan.num_ranks_ = call.num_ranks;
+  plan.num_experts_ = call.num_experts;
+  const std::int64_t tokens_rows = call.direction == Direction::kForward ? call.num_tokens
+                                                                          : call.num_rows;
+  read_counts(counts, call.num_tokens, tokens_rows, call.attributes.allow_spare_rows,
+              plan.counts_);
+  plan.token_row_bytes_ = call.token_row_bytes;
+  plan.scale_row_bytes_ = call.scale_row_bytes;
+  plan.weight_row_bytes_ = call.weight_row_bytes;
+  plan.input_specs_.assign(call.input_specs().begin(), call.input_specs().end());
+  plan.output_specs_.assign(call.output_specs().begin(), call.output_specs().end());
+  offsets(plan);
+  schedule(plan, num_threads);
+}
 
-  // src_offset, dst_offset (expert segments padded to multiples of k) and expert_token_num.
-  static void offsets(Plan& plan) {
-    const std::int64_t num_ranks = plan.num_ranks_;
-    const std::int64_t num_experts = plan.num_experts_;
-    const std::int64_t k = plan.attributes_.expert_alignment;
-    const std::int64_t* counts = plan.counts_.data();
-    const std::size_t size = plan.counts_.size();
-    plan.src_offset_.resize(size);
-    plan.dst_offset_.resize(size);
-    plan.expert_token_num_.resize(static_cast<std::size_t>(num_experts));
-    std::int64_t* src_offset = plan.src_offset_.data();
-    std::int64_t* dst_offset = plan.dst_offset_.data();
-    std::int64_t row = 0;
-    for (std::size_t b = 0; b < size; ++b) {
-      src_offset[b] = row;
+// src_offset, dst_offset (expert segments padded to multiples of k) and expert_token_num.
+void PlanBuilder::offsets(Plan& plan) {
+  const std::int64_t num_ranks = plan.num_ranks_;
+  const std::int64_t num_experts = plan.num_experts_;
+  const std::int64_t k = plan.attributes_.expert_alignment;
+  const std::int64_t* counts = plan.counts_.data();
+  const std::size_t size = plan.counts_.size();
+  plan.src_offset_.resize(size);
+  plan.dst_offset_.resize(size);
+  plan.expert_token_num_.resize(static_cast<std::size_t>(num_experts));
+  std::int64_t* src_offset = plan.src_offset_.data();
+  std::int64_t* dst_offset = plan.dst_offset_.data();
+  std::int64_t row = 0;
+  for (std::size_t b = 0; b < size; ++b) {
+    src_offset[b] = row;
+    row += counts[b];
+  }
+  plan.num_valid_rows_ = row;
+  row = 0;
+  const bool cumsum = plan.attributes_.expert_token_num_type == kExpertTokenNumCumsum;
+  for (std::int64_t e = 0; e < num_experts; ++e) {
+    const std::int64_t segment = row;
+    for (std::int64_t b = e; b < num_ranks * num_experts; b += num_experts) {
+      dst_offset[b] = row;
       row += counts[b];
     }
-    plan.num_valid_rows_ = row;
-    row = 0;
-    const bool cumsum = plan.attributes_.expert_token_num_type == kExpertTokenNumCumsum;
-    for (std::int64_t e = 0; e < num_experts; ++e) {
-      const std::int64_t segment = row;
-      for (std::int64_t b = e; b < num_ranks * num_experts; b += num_experts) {
-        dst_offset[b] = row;
-        row += counts[b];
-      }
-      const std::int64_t total = row - segment;
-      row = segment + (total + k - 1) / k * k;
-      plan.expert_token_num_[static_cast<std::size_t>(e)] = cumsum ? row : total;
-    }
-    plan.num_padded_rows_ = row;
+    const std::int64_t total = row - segment;
+    row = segment + (total + k - 1) / k * k;
+    plan.expert_token_num_[static_cast<std::size_t>(e)] = cumsum ? row : total;
   }
-
-  // The chunks: every run of rows in the order its destination rows are
-  // written (the forward's pad rows after each expert's blocks), cut into one
-  // contiguous destination row range per thread. Every row costs the same
-  // bytes, so equal row ranges are equal byte shares however skewed the counts.
-  // Flattened: GCC 12 otherwise calls out for each chunk's push_back, a large
-  // share of a small plan's time.
-  [[gnu::flatten]] static void split(Plan& plan, int num_threads) {
-    const bool forward = plan.direction_ == Direction::kForward;
-    const std::int64_t rows = plan.num_written_rows();
-    const std::int64_t total_bytes = rows * plan.bytes_per_row();
-    plan.streaming_stores_ = 2 * total_bytes > last_level_cache_bytes();
-    const std::int64_t requested = num_threads > 0 ? num_threads : hardware_threads();
-    const std::int64_t useful = std::max<std::int64_t>(1, total_bytes / kMinBytesPerThread);
-    const std::int64_t threads =
-        std::max<std::int64_t>(1, std::min({requested, useful, std::max<std::int64_t>(rows, 1)}));
-    const auto end_row = [rows, threads](std::int64_t t) {
-      return rows / threads * (t + 1) + std::min<std::int64_t>(t + 1, rows % threads);
-    };
-
-    std::vector<Chunk>& chunks = plan.chunks_;
-    std::vector<std::int64_t>& thread_begin = plan.thread_begin_;
-    chunks.clear();
-    chunks.reserve(plan.counts_.size() * (forward ? 2 : 1) + static_cast<std::size_t>(threads));
-    thread_begin.reserve(static_cast<std::size_t>(threads) + 1);
-    thread_begin.assign(1, 0);
-    std::int64_t cut = end_row(0);  // the row the current thread's range ends before
-    // The rare case of emit: a run that crosses `cut` is cut there, and the
-    // next thread's range begins.
-    const auto cross = [&](std::int64_t& src_row, std::int64_t& dst_row, std::int64_t& num_rows) {
-      while (dst_row + num_rows > cut) {
-        const std::int64_t run = cut - dst_row;
-        if (run > 0) chunks.push_back({src_row, dst_row, run});
-        if (src_row != kPadRows) src_row += run;
-        dst_row = cut;
-        num_rows -= run;
-        thread_begin.push_back(static_cast<std::int64_t>(chunks.size()));
-        cut = end_row(static_cast<std::int64_t>(thread_begin.size()) - 1);
-      }
-    };
-    const auto emit = [&](std::int64_t src_row, std::int64_t dst_row, std::int64_t num_rows) {
-      if (dst_row + num_rows > cut) cross(src_row, dst_row, num_rows);
-      if (num_rows > 0) chunks.push_back({src_row, dst_row, num_rows});
-    };
-    // Locals, not members: the chunk stores would make the compiler reload these.
-    const std::int64_t* counts = plan.counts_.data();
-    const std::int64_t* src_offset = plan.src_offset_.data();
-    const std::int64_t* dst_offset = plan.dst_offset_.data();
-    const std::int64_t num_ranks = plan.num_ranks_;
-    const std::int64_t num_experts = plan.num_experts_;
-    if (forward) {
-      for (std::int64_t e = 0; e < num_experts; ++e) {
-        for (std::int64_t b = e; b < num_ranks * num_experts; b += num_experts) {
-          emit(src_offset[b], dst_offset[b], counts[b]);
-        }
-        const std::int64_t last = (num_ranks - 1) * num_experts + e;
-        const std::int64_t end = dst_offset[last] + counts[last];
-        const std::int64_t segment_end =
-            e + 1 < num_experts ? dst_offset[e + 1] : plan.num_padded_rows_;
-        emit(kPadRows, end, segment_end - end);
-      }
-    } else {
-      for (std::size_t b = 0; b < plan.counts_.size(); ++b) {
-        emit(dst_offset[b], src_offset[b], counts[b]);
-      }
-    }
-    // No rows: the one thread has no chunks.
-    thread_begin.resize(static_cast<std::size_t>(threads) + 1,
-                        static_cast<std::int64_t>(chunks.size()));
-  }
-};
+  plan.num_padded_rows_ = row;
+}
 
 std::int64_t checked_nbytes(const TensorSpec& spec, const char* name) {
   // The product of the non-zero dims: a zero dim (A = 0) must not hide a row
@@ -430,8 +349,6 @@ std::int64_t checked_nbytes(const TensorSpec& spec, const char* name) {
 }
 
 }  // namespace detail
-
-int hardware_threads() { return std::max(1, omp_get_max_threads()); }
 
 std::int64_t Plan::bytes_per_row() const {
   const std::int64_t index_bytes = direction_ == Direction::kForward ? 4 : 0;
@@ -515,24 +432,68 @@ InverseOutputSpecs infer_inverse(const InverseInputs& inputs, const Attributes& 
 }
 
 namespace detail {
+namespace {
+
+// The parts of a call both directions share: the inputs' specs and row bytes.
+template <typename Inputs>
+Call call_of(Direction direction, const Inputs& inputs, const Attributes& attributes) {
+  Call call;
+  call.direction = direction;
+  call.attributes = attributes;
+  call.num_ranks = inputs.expert_token_num_per_rank.shape()[0];
+  call.num_experts = inputs.expert_token_num_per_rank.shape()[1];
+  call.token_row_bytes = dtype_bytes(inputs.tokens.dtype(), inputs.tokens.shape()[1]);
+  call.scale_row_bytes = inputs.per_token_scales ? row_bytes(inputs.per_token_scales->spec) : 0;
+  call.weight_row_bytes = inputs.expert_topk_weight ? std::int64_t{sizeof(float)} : 0;
+  const auto add = [&call](const TensorSpec& spec) {
+    call.input_specs_storage[call.num_inputs++] = spec;
+  };
+  add(inputs.tokens.spec);
+  add(inputs.expert_token_num_per_rank.spec);
+  if (inputs.per_token_scales) add(inputs.per_token_scales->spec);
+  if (inputs.expert_topk_weight) add(inputs.expert_topk_weight->spec);
+  return call;
+}
+
+}  // namespace
+
+Call validate(const RerouteInputs& inputs, const Attributes& attributes) {
+  const RerouteOutputSpecs specs = infer_reroute(inputs, attributes);
+  Call call = call_of(Direction::kForward, inputs, attributes);
+  call.num_tokens = inputs.tokens.shape()[0];
+  call.num_rows = specs.permute_tokens.shape[0];
+  call.output_specs_storage = {specs.permute_tokens, specs.permute_per_token_scales,
+                               specs.permute_token_idx, specs.expert_token_num,
+                               specs.permute_topk_weight};
+  call.num_outputs = call.output_specs_storage.size();
+  return call;
+}
+
+Call validate(const InverseInputs& inputs, const Attributes& attributes) {
+  const InverseOutputSpecs specs = infer_inverse(inputs, attributes);
+  Call call = call_of(Direction::kInverse, inputs, attributes);
+  call.num_tokens = specs.restored_tokens.shape[0];
+  call.num_rows = inputs.tokens.shape()[0];
+  call.output_specs_storage[call.num_outputs++] = specs.restored_tokens;
+  if (specs.restored_per_token_scales) {
+    call.output_specs_storage[call.num_outputs++] = *specs.restored_per_token_scales;
+  }
+  if (specs.restored_topk_weight) {
+    call.output_specs_storage[call.num_outputs++] = *specs.restored_topk_weight;
+  }
+  return call;
+}
 
 void plan_reroute(Plan& plan, const RerouteInputs& inputs, const Attributes& attributes,
                   int num_threads) {
-  const RerouteOutputSpecs specs = infer_reroute(inputs, attributes);
-  PlanBuilder::make(plan, Direction::kForward, inputs, attributes, inputs.tokens.shape()[0],
-                    {specs.permute_tokens, specs.permute_per_token_scales,
-                     specs.permute_token_idx, specs.expert_token_num, specs.permute_topk_weight},
+  PlanBuilder::make(plan, validate(inputs, attributes), inputs.expert_token_num_per_rank,
                     num_threads);
 }
 
 void plan_inverse(Plan& plan, const InverseInputs& inputs, const Attributes& attributes,
                   int num_threads) {
-  const InverseOutputSpecs specs = infer_inverse(inputs, attributes);
-  std::vector<TensorSpec> output_specs = {specs.restored_tokens};
-  if (specs.restored_per_token_scales) output_specs.push_back(*specs.restored_per_token_scales);
-  if (specs.restored_topk_weight) output_specs.push_back(*specs.restored_topk_weight);
-  PlanBuilder::make(plan, Direction::kInverse, inputs, attributes, specs.restored_tokens.shape[0],
-                    std::move(output_specs), num_threads);
+  PlanBuilder::make(plan, validate(inputs, attributes), inputs.expert_token_num_per_rank,
+                    num_threads);
 }
 
 }  // namespace detail

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "../call.h"
 #include "../check.h"
 #include "kernels.h"
 #include "launch.h"
@@ -20,7 +21,6 @@ namespace moe_reroute::cuda {
 namespace {
 
 using moe_reroute::detail::fail;
-using moe_reroute::detail::input_specs;
 using moe_reroute::detail::named_inputs;
 using moe_reroute::detail::named_outputs;
 using moe_reroute::detail::NamedView;
@@ -76,10 +76,18 @@ ContextViews context_views(const DeviceContext& context, const TensorView& count
           TensorView(context.workspace, DType::kUInt8, {static_cast<std::int64_t>(needed)})};
 }
 
-// The outputs followed by the status word and the workspace.
-std::vector<NamedView> with_context(std::vector<NamedView> outputs, const ContextViews& views) {
+// The core's run checks of `call`'s arguments (rule 10), with the status word
+// and the workspace as outputs too, then the counts' alignment.
+template <typename Inputs>
+void check_arguments(const moe_reroute::detail::Call& call, const Inputs& inputs,
+                             std::vector<NamedView> outputs, const DeviceContext& context) {
+  const ContextViews views = context_views(context, inputs.expert_token_num_per_rank);
   outputs.insert(outputs.end(), {{"status", &views.status}, {"workspace", &views.workspace}});
-  return outputs;
+  std::vector<TensorSpec> output_specs(call.output_specs().begin(), call.output_specs().end());
+  output_specs.insert(output_specs.end(), {views.status.spec, views.workspace.spec});
+  moe_reroute::detail::check_run_arguments(call.input_specs(), named_inputs(inputs), output_specs,
+                                           outputs);
+  check_element_aligned(inputs.expert_token_num_per_rank, "expert_token_num_per_rank");
 }
 
 // Each device's limits, queried the first time a call runs there.
@@ -133,19 +141,22 @@ detail::RowMove rows(const std::optional<TensorView>& src, const std::optional<T
 }
 
 // The parts of a call both directions share: counts, rows and tiles.
-detail::KernelParams params_for(const TensorView& counts, const Attributes& attributes,
-                                std::int64_t rank_rows, bool forward,
+detail::KernelParams params_for(const moe_reroute::detail::Call& call, const TensorView& counts,
+                                const void* tokens, const TensorView& out_tokens,
                                 const DeviceContext& context) {
+  check_int32(call.num_ranks * call.num_experts, "expert_token_num_per_rank", "blocks");
   detail::KernelParams p;
-  p.layout.num_ranks = static_cast<std::int32_t>(counts.shape()[0]);
-  p.layout.num_experts = static_cast<std::int32_t>(counts.shape()[1]);
-  p.layout.num_tokens = rank_rows;
-  p.layout.expert_alignment = attributes.expert_alignment;
-  p.layout.allow_spare_rows = attributes.allow_spare_rows;
-  p.layout.forward = forward;
+  p.layout.num_ranks = static_cast<std::int32_t>(call.num_ranks);
+  p.layout.num_experts = static_cast<std::int32_t>(call.num_experts);
+  p.layout.num_tokens = call.num_tokens;
+  p.layout.expert_alignment = call.attributes.expert_alignment;
+  p.layout.allow_spare_rows = call.attributes.allow_spare_rows;
+  p.layout.forward = call.direction == Direction::kForward;
   p.counts = counts.data;
   p.status = context.status;
   p.workspace = context.workspace;
+  p.tokens = {static_cast<const std::byte*>(tokens), mutable_bytes(out_tokens),
+              call.token_row_bytes};
   return p;
 }
 
@@ -174,61 +185,37 @@ bool stream_is_capturing(void* stream) {
 
 void moe_re_routing(const RerouteInputs& inputs, const RerouteOutputs& outputs,
                     const Attributes& attributes, const DeviceContext& context) {
-  const RerouteOutputSpecs specs = infer_reroute(inputs, attributes);
-  const TensorView& counts = inputs.expert_token_num_per_rank;
-  const ContextViews views = context_views(context, counts);
-  moe_reroute::detail::check_run_arguments(
-      input_specs(inputs), named_inputs(inputs),
-      {specs.permute_tokens, specs.permute_per_token_scales, specs.permute_token_idx,
-       specs.expert_token_num, specs.permute_topk_weight, views.status.spec, views.workspace.spec},
-      with_context(named_outputs(outputs), views));
-  check_element_aligned(counts, "expert_token_num_per_rank");
+  const moe_reroute::detail::Call call = moe_reroute::detail::validate(inputs, attributes);
+  check_arguments(call, inputs, named_outputs(outputs), context);
   check_element_aligned(outputs.permute_token_idx, "permute_token_idx");
   check_element_aligned(outputs.expert_token_num, "expert_token_num");
-  const std::int64_t rank_rows = inputs.tokens.shape()[0];
-  const std::int64_t output_rows = specs.permute_tokens.shape[0];
-  check_int32(counts.shape()[0] * counts.shape()[1], "expert_token_num_per_rank", "blocks");
 
-  detail::KernelParams p = params_for(counts, attributes, rank_rows, true, context);
-  p.tokens = {bytes(inputs.tokens), mutable_bytes(outputs.permute_tokens),
-              row_bytes(inputs.tokens.spec)};
+  detail::KernelParams p = params_for(call, inputs.expert_token_num_per_rank, inputs.tokens.data,
+                                      outputs.permute_tokens, context);
   // Without scales permute_per_token_scales is [R] float32 zeros.
   p.scales =
       inputs.per_token_scales
           ? rows(inputs.per_token_scales, outputs.permute_per_token_scales, "per_token_scales")
           : rows(nullptr, outputs.permute_per_token_scales, sizeof(float), "per_token_scales");
   p.weight = rows(inputs.expert_topk_weight, outputs.permute_topk_weight, "expert_topk_weight");
-  p.index = {true, attributes.idx_type == kIdxGather, static_cast<std::int32_t>(output_rows),
-             static_cast<std::int32_t>(rank_rows)};
+  p.index = {true, call.attributes.idx_type == kIdxGather, static_cast<std::int32_t>(call.num_rows),
+             static_cast<std::int32_t>(call.num_tokens)};
   p.index_data = static_cast<std::int32_t*>(outputs.permute_token_idx.data);
   p.expert_token_num = outputs.expert_token_num.data;
-  p.cumsum = attributes.expert_token_num_type == kExpertTokenNumCumsum;
-  enqueue(p, counts.dtype(), output_rows, context);
+  p.cumsum = call.attributes.expert_token_num_type == kExpertTokenNumCumsum;
+  enqueue(p, inputs.expert_token_num_per_rank.dtype(), call.num_rows, context);
 }
 
 void moe_re_routing_inverse(const InverseInputs& inputs, const InverseOutputs& outputs,
                             const Attributes& attributes, const DeviceContext& context) {
-  const InverseOutputSpecs specs = infer_inverse(inputs, attributes);
-  const TensorView& counts = inputs.expert_token_num_per_rank;
-  std::vector<NamedView> outputs_named = named_outputs(inputs, outputs);
-  const ContextViews views = context_views(context, counts);
-  std::vector<TensorSpec> output_specs = {specs.restored_tokens};
-  if (specs.restored_per_token_scales) output_specs.push_back(*specs.restored_per_token_scales);
-  if (specs.restored_topk_weight) output_specs.push_back(*specs.restored_topk_weight);
-  output_specs.insert(output_specs.end(), {views.status.spec, views.workspace.spec});
-  moe_reroute::detail::check_run_arguments(input_specs(inputs), named_inputs(inputs), output_specs,
-                                           with_context(outputs_named, views));
-  check_element_aligned(counts, "expert_token_num_per_rank");
-  const std::int64_t rank_rows = specs.restored_tokens.shape[0];
-  check_int32(counts.shape()[0] * counts.shape()[1], "expert_token_num_per_rank", "blocks");
-  check_int32(inputs.tokens.shape()[0], "tokens", "rows");
-
-  detail::KernelParams p = params_for(counts, attributes, rank_rows, false, context);
-  p.tokens = {bytes(inputs.tokens), mutable_bytes(outputs.restored_tokens),
-              row_bytes(inputs.tokens.spec)};
+  const moe_reroute::detail::Call call = moe_reroute::detail::validate(inputs, attributes);
+  check_arguments(call, inputs, named_outputs(inputs, outputs), context);
+  detail::KernelParams p = params_for(call, inputs.expert_token_num_per_rank, inputs.tokens.data,
+                                      outputs.restored_tokens, context);
+  check_int32(call.num_rows, "tokens", "rows");
   p.scales = rows(inputs.per_token_scales, outputs.restored_per_token_scales, "per_token_scales");
   p.weight = rows(inputs.expert_topk_weight, outputs.restored_topk_weight, "expert_topk_weight");
-  enqueue(p, counts.dtype(), rank_rows, context);
+  enqueue(p, inputs.expert_token_num_per_rank.dtype(), call.num_tokens, context);
 }
 
 }  // namespace moe_reroute::cuda
