@@ -120,7 +120,7 @@ fi
 
 dry=()
 ((dry_run)) && dry=(--dry-run)
-run gpu_bench 180 "$BUILD"/src/cuda/moe_reroute_gpu_bench "${dry[@]}" --reps "$REPS" \
+run gpu_bench 180 "$BUILD"/bench/moe_reroute_gpu_bench "${dry[@]}" --reps "$REPS" \
   --tsv "$out/gpu_bench.tsv"
 if ((torch)); then
   run torch_peers 150 python3 bench/gpu_torch_peers.py "${dry[@]}" --reps "$REPS" \

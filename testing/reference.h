@@ -1,11 +1,13 @@
 #pragma once
 
-// A deliberately naive reference of the operator, for tests and the CLI's
-// self-check: offsets recomputed by plain loops, rows copied byte by byte.
-// It shares no code with the library.
+// A deliberately naive reference of the operator, for the tests and the
+// benchmarks' verification: offsets recomputed by plain loops, rows copied
+// byte by byte. It shares no code with the library. Beside it, the byte
+// comparisons of outputs against it (compare.cc).
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace moe_reroute::testing {
@@ -45,5 +47,20 @@ ReferenceOutputs reference_reroute(const ReferenceInputs& in, std::int64_t exper
 
 /// The inverse: R rows in (padded) expert order back to A rows in rank order.
 ReferenceOutputs reference_inverse(const ReferenceInputs& in);
+
+/// The byte every test fills outputs with before a run.
+inline constexpr std::byte kPoison{0xA5};
+
+/// "" when the first `specified_rows` rows of `row_bytes` bytes of `got` equal
+/// `expected`'s and every byte after them still holds kPoison (rows the
+/// contract leaves unspecified must not be written), else the first difference.
+std::string rows_difference(const char* name, const std::byte* got, std::size_t got_bytes,
+                            const std::vector<std::byte>& expected, std::int64_t specified_rows,
+                            std::int64_t row_bytes);
+
+/// "" when `got` holds exactly the `expected_bytes` bytes at `expected`, else
+/// "<name>: byte i is x, expected y" (or the size mismatch).
+std::string first_difference(const char* name, const std::vector<std::byte>& got,
+                             const std::byte* expected, std::size_t expected_bytes);
 
 }  // namespace moe_reroute::testing

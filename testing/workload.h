@@ -1,11 +1,10 @@
 #pragma once
 
-// Random inputs and the copy limit, shared by the tests, the CLI's bench and
-// gen, and the benchmarks.
+// Random valid inputs of the operator, for the CLI's gen, the tests and the
+// benchmarks (library moe_reroute_workload, all the CLI links of testing/).
 
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <string>
 #include <vector>
 
@@ -21,38 +20,8 @@ std::vector<std::int64_t> random_counts(std::int64_t num_ranks, std::int64_t num
                                         std::int64_t num_tokens, double skew,
                                         double zero_fraction, std::uint64_t seed);
 
-/// The byte every test fills outputs with before a run.
-inline constexpr std::byte kPoison{0xA5};
-
-/// "" when the first `specified_rows` rows of `row_bytes` bytes of `got` equal
-/// `expected`'s and every byte after them still holds kPoison (rows the
-/// contract leaves unspecified must not be written), else the first difference.
-std::string rows_difference(const char* name, const std::byte* got, std::size_t got_bytes,
-                            const std::vector<std::byte>& expected, std::int64_t specified_rows,
-                            std::int64_t row_bytes);
-
-/// "" when `got` holds exactly the `expected_bytes` bytes at `expected`, else
-/// "<name>: byte i is x, expected y" (or the size mismatch).
-std::string first_difference(const char* name, const std::vector<std::byte>& got,
-                             const std::byte* expected, std::size_t expected_bytes);
-
 /// Fills `bytes` with seeded random bytes (every bit pattern, NaNs included).
 void fill_random(void* data, std::size_t bytes, std::uint64_t seed);
-
-/// Runs body(t) for every t in [0, num_threads), one OpenMP thread each, as
-/// the operator runs its plan: one thread runs inline, with no parallel region.
-void for_each_thread(int num_threads, const std::function<void(int)>& body);
-
-/// Copies `bytes` with `num_threads` threads, one contiguous slice each: the
-/// physical limit the operator is measured against.
-void parallel_copy(void* dst, const void* src, std::size_t bytes, int num_threads);
-
-/// Writes `bytes` zeros the same way: the limit of the pad rows at k > 1.
-void parallel_zero(void* dst, std::size_t bytes, int num_threads);
-
-/// Gathers rows one at a time by an index, the naive baseline.
-void per_row_gather(std::byte* dst, const std::byte* src, const std::int32_t* index,
-                    std::int64_t num_rows, std::int64_t row_bytes);
 
 struct WorkloadConfig {
   std::int64_t num_tokens = 16384;
@@ -87,12 +56,15 @@ class Workload {
   const WorkloadConfig& config() const { return config_; }
   RerouteInputs inputs() const;
   RerouteOutputs outputs();
-  ReferenceInputs reference_inputs() const;
   void poison_outputs();
   /// Bytes the operator reads plus bytes it writes.
   std::int64_t bytes_moved() const;
   /// Output rows R: num_tokens, plus E * (k - 1) when expert_alignment k > 1.
   std::int64_t num_output_rows() const;
+
+  // Checks against the naive reference: defined beside it (compare.cc, library
+  // moe_reroute_testing), so that the CLI links no reference code.
+  ReferenceInputs reference_inputs() const;
   /// "" when every output equals the reference byte for byte, else the first
   /// difference; rows the contract leaves unspecified must still hold the poison.
   std::string compare(const ReferenceOutputs& expected) const;

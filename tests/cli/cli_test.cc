@@ -1,17 +1,13 @@
 // The moe-reroute binary end to end: `gen` then the `run` command it prints,
 // compared byte for byte with the naive reference; the inverse restoring the
-// inputs; `bench --json`; and every bad input refused with exit status 2, one
-// `error:` line naming the argument, and nothing written to the output dir.
+// inputs; and every bad input refused with exit status 2, one `error:` line
+// naming the argument, and nothing written to the output dir.
 
-#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
-#include <fstream>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -19,8 +15,8 @@
 
 #include "moe_reroute/version.h"
 #include "npy.h"
+#include "program.h"
 #include "reference.h"
-#include "test_dir.h"
 
 namespace moe_reroute::tools {
 namespace {
@@ -28,35 +24,7 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
-struct Result {
-  int status = -1;
-  std::string out, err;
-};
-
-std::string slurp(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-// Runs the built binary with `args`, capturing stdout and stderr.
-Result run_cli(const std::vector<std::string>& args) {
-  const TestDir capture;
-  const std::string out_path = (capture / "stdout").string(),
-                    err_path = (capture / "stderr").string();
-  std::vector<char*> argv = {const_cast<char*>(MOE_REROUTE_CLI)};
-  for (const std::string& arg : args) argv.push_back(const_cast<char*>(arg.c_str()));
-  argv.push_back(nullptr);
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::dup2(::open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644), 1);
-    ::dup2(::open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644), 2);
-    ::execv(MOE_REROUTE_CLI, argv.data());
-    ::_exit(127);
-  }
-  int wait_status = 0;
-  ::waitpid(pid, &wait_status, 0);
-  return {WIFEXITED(wait_status) ? WEXITSTATUS(wait_status) : -1, slurp(out_path), slurp(err_path)};
-}
+Result run_cli(const std::vector<std::string>& args) { return run_program(MOE_REROUTE_CLI, args); }
 
 std::vector<std::string> words(const std::string& line) {
   std::istringstream in(line);
@@ -393,30 +361,6 @@ TEST(Cli, PrintsTheVersion) {
   EXPECT_THAT(result.out, HasSubstr(MOE_REROUTE_VERSION_STRING));
 }
 
-TEST(Cli, BenchVerifiesAndEndsWithJson) {
-  const Result result = run_cli({"bench", "--tokens", "500", "--hidden", "300", "--ranks", "4",
-                                 "--experts", "3", "--repeat", "2", "--skew", "1", "--json"});
-  ASSERT_EQ(result.status, 0) << result.err;
-  EXPECT_THAT(result.out, HasSubstr("\nverified\n"));
-  EXPECT_THAT(result.out, HasSubstr("plain copy"));
-  EXPECT_THAT(result.out, HasSubstr("per-row gather"));
-  EXPECT_THAT(result.out, HasSubstr("when streaming stores pay"));
-  EXPECT_THAT(result.out, HasSubstr("A/4 valid rows (allow_spare_rows)"));
-  EXPECT_THAT(result.out, HasSubstr("expert_alignment 128, same counts"));
-  EXPECT_THAT(result.out, HasSubstr(" hardware threads of "));  // and the processor's name
-  EXPECT_THAT(result.err, HasSubstr("verifying"));
-  const std::string trimmed = result.out.substr(0, result.out.size() - 1);
-  const std::string last = trimmed.substr(trimmed.rfind('\n') + 1);
-  EXPECT_THAT(last, StartsWith("{\"verified\": true, \"bytes\": "));
-  for (const char* key :
-       {"\"op_s\": ", "\"copy_s\": ", "\"ratio\": ", "\"gather_s\": ", "\"streaming_stores\": ",
-        "\"sweep\": [{\"A\": 7, ", "\"spare_rows_quarter_ratio\": ", "\"alignment_128_ratio\": ",
-        "\"pad_share\": ", "\"pad_share_written\": ", "\"config\": {"}) {
-    EXPECT_THAT(last, HasSubstr(key));
-  }
-  EXPECT_EQ(last.back(), '}');
-}
-
 // Bad input: exit status 2, exactly one `error:` line that names the argument,
 // and nothing (not even a temporary) in the output directory.
 class BadInput : public ::testing::Test {
@@ -623,12 +567,9 @@ TEST_F(BadInput, CommandLineErrors) {
   expect_refused({"--bogus"}, "--bogus");
   expect_refused({}, "--out", {{"--out", ""}});
   expect_refused({}, "--counts", {{"--counts", ""}});
-  // bench and gen: the workload flags pass the core's inference before
-  // anything is allocated by them.
+  // gen: the workload flags pass the core's inference before anything is
+  // allocated by them.
   for (const auto& [args, message] : std::vector<std::pair<std::vector<std::string>, std::string>>{
-           {{"bench", "--repeat", "0"}, "--repeat: Value 0 not in range 1 to 1048576"},
-           {{"bench", "--tokens", "4", "--expert-alignment", "0"},
-            "expert_alignment: must be >= 1, got 0"},
            {{"gen", "--tokens", "4", "--valid-tokens", "-5", "--out", (dir_ / "g").string()},
             "--valid-tokens: must be -1 (all) or 0 to --tokens, got -5"},
            {{"gen", "--tokens", "4", "--scales", "e8m0", "--out", (dir_ / "g").string()},
@@ -666,9 +607,7 @@ TEST_F(BadInput, IntegersPastTheirTypeAreQuotedAsTyped) {
             "--valid-tokens: -9223372036854775809 does not fit in int64"},
            {{"gen", "--seed", "18446744073709551616", "--out", g},
             "--seed: 18446744073709551616 does not fit in uint64"},
-           {{"gen", "--seed", "-1", "--out", g}, "--seed: -1 does not fit in uint64"},
-           {{"bench", "--experts", "18446744073709551616"},
-            "--experts: 18446744073709551616 does not fit in int64"}}) {
+           {{"gen", "--seed", "-1", "--out", g}, "--seed: -1 does not fit in uint64"}}) {
     const Result refused = run_cli(args);
     EXPECT_EQ(refused.status, 2) << message;
     EXPECT_EQ(refused.err, "error: " + message + "\n");

@@ -1,10 +1,12 @@
-// `bench`, the C++ benchmark of the core: verifies every case against the
-// naive reference before timing it, then prints medians against a plain copy
-// of the same bytes with the same threads (the physical limit) and a per-row
-// gather by the operator's own index (the naive peer); the same workload at
-// smaller A, across the last-level cache (where streaming stores pay); and the
-// static-shape costs (a quarter of A valid; expert_alignment 128 against 1).
+// moe-reroute-bench, the C++ benchmark of the core: verifies every case
+// against the naive reference before timing it, then prints medians against
+// a plain copy of the same bytes with the same threads (the physical limit)
+// and a per-row gather by the operator's own index (the naive peer); the same
+// workload at smaller A, across the last-level cache (where streaming stores
+// pay); and the static-shape costs (a quarter of A valid; expert_alignment
+// 128 against 1). Bad flags exit with status 2, as moe-reroute's do.
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -20,11 +22,15 @@
 #include <utility>
 #include <vector>
 
-#include "commands.h"
 #include "moe_reroute/reroute.h"
+#include "options.h"
+#include "reference.h"
+#include "workload.h"
 
-namespace moe_reroute::tools {
+namespace moe_reroute::bench {
 namespace {
+
+using tools::WorkloadOptions;
 
 using Clock = std::chrono::steady_clock;
 using Contenders = std::vector<std::function<void()>>;
@@ -62,7 +68,56 @@ std::vector<double> interleaved_medians(const Contenders& contenders, int repeat
   return medians;
 }
 
-void progress(const std::string& line) { std::cerr << "moe-reroute bench: " << line << std::endl; }
+// Runs body(t) for every t in [0, num_threads), one OpenMP thread each, as
+// the operator runs its plan: one thread runs inline, with no parallel region.
+void for_each_thread(int num_threads, const std::function<void(int)>& body) {
+  // libgomp's region costs a futex syscall even for a team of one.
+  if (num_threads <= 1) {
+    body(0);
+    return;
+  }
+#pragma omp parallel for num_threads(num_threads) schedule(static, 1)
+  for (int t = 0; t < num_threads; ++t) body(t);
+}
+
+// Runs body(begin, end) on `num_threads` threads over equal contiguous slices
+// of [0, bytes), one each.
+template <typename Body>
+void for_each_slice(std::size_t bytes, int num_threads, const Body& body) {
+  const std::size_t threads = static_cast<std::size_t>(std::max(1, num_threads));
+  for_each_thread(num_threads, [&](int thread) {
+    const auto t = static_cast<std::size_t>(thread);
+    body(bytes / threads * t + std::min(t, bytes % threads),
+         bytes / threads * (t + 1) + std::min(t + 1, bytes % threads));
+  });
+}
+
+// The physical limit the operator is measured against: a plain copy of the
+// same bytes with the same threads, one contiguous slice each.
+void parallel_copy(void* dst, const void* src, std::size_t bytes, int num_threads) {
+  for_each_slice(bytes, num_threads, [&](std::size_t begin, std::size_t end) {
+    std::memcpy(static_cast<std::byte*>(dst) + begin, static_cast<const std::byte*>(src) + begin,
+                end - begin);
+  });
+}
+
+// The limit of the pad rows at k > 1: a memset of their bytes the same way.
+void parallel_zero(void* dst, std::size_t bytes, int num_threads) {
+  for_each_slice(bytes, num_threads, [&](std::size_t begin, std::size_t end) {
+    std::memset(static_cast<std::byte*>(dst) + begin, 0, end - begin);
+  });
+}
+
+// Gathers rows one at a time by an index, the naive peer.
+void per_row_gather(std::byte* dst, const std::byte* src, const std::int32_t* index,
+                    std::int64_t num_rows, std::int64_t row_bytes) {
+  for (std::int64_t i = 0; i < num_rows; ++i) {
+    std::memcpy(dst + i * row_bytes, src + std::int64_t{index[i]} * row_bytes,
+                static_cast<std::size_t>(row_bytes));
+  }
+}
+
+void progress(const std::string& line) { std::cerr << "moe-reroute-bench: " << line << std::endl; }
 
 // The per-row gather peer over every row stream the operator moves, the rows
 // split evenly over `num_threads` threads.
@@ -77,12 +132,12 @@ struct GatherBaseline {
 
   void run(int num_threads) {
     const auto num_rows = static_cast<std::int64_t>(index.size());
-    testing::for_each_thread(num_threads, [&](int t) {
+    for_each_thread(num_threads, [&](int t) {
       const std::int64_t begin = num_rows * t / num_threads;
       const std::int64_t end = num_rows * (t + 1) / num_threads;
       for (Stream& s : streams) {
-        testing::per_row_gather(s.dst.data() + begin * s.row_bytes, s.src, index.data() + begin,
-                                end - begin, s.row_bytes);
+        per_row_gather(s.dst.data() + begin * s.row_bytes, s.src, index.data() + begin,
+                       end - begin, s.row_bytes);
       }
     });
   }
@@ -160,7 +215,7 @@ struct Case {
 
   void call(int threads) { moe_re_routing(inputs, outputs, workload.config().attributes, threads); }
   void copy() {
-    testing::parallel_copy(copy_dst.data(), copy_src.data(), copy_src.size(), plan.num_threads());
+    parallel_copy(copy_dst.data(), copy_src.data(), copy_src.size(), plan.num_threads());
   }
 
   testing::Workload workload;
@@ -270,10 +325,15 @@ std::string cpu_model() {
   return "an unnamed CPU";
 }
 
-}  // namespace
+struct BenchOptions {
+  WorkloadOptions workload;
+  int threads = 0;
+  int repeat = 20;
+  bool json = false;
+};
 
-int bench_command(const BenchOptions& o) {
-  const testing::WorkloadConfig config = workload_config(o.workload);
+int run_bench(const BenchOptions& o) {
+  const testing::WorkloadConfig config = tools::workload_config(o.workload);
   const int threads = o.threads > 0 ? o.threads : hardware_threads();
   const int repeat = o.repeat;
   const double start_load = load_average();
@@ -287,7 +347,7 @@ int bench_command(const BenchOptions& o) {
     config_json += (config_json.empty() ? "{" : ", ") + ("\"" + name + "\": " + value);
   }
   config_json += "}";
-  std::printf("moe-reroute bench:%s\n", config_text.c_str());
+  std::printf("moe-reroute-bench:%s\n", config_text.c_str());
 
   progress("verifying against the naive reference");
   if (!verified(*main_case, "workload", o.json, config_json)) return 1;
@@ -398,7 +458,7 @@ int bench_command(const BenchOptions& o) {
   const std::int64_t pad_bytes = pad_rows * aligned_plan.bytes_per_row();
   // The pad rows' own limit: a plain memset of their bytes with the same threads.
   std::vector<std::byte> pad_zeros(static_cast<std::size_t>(pad_bytes));
-  const auto zero_pad = [&] { testing::parallel_zero(pad_zeros.data(), pad_zeros.size(), threads); };
+  const auto zero_pad = [&] { parallel_zero(pad_zeros.data(), pad_zeros.size(), threads); };
   const std::vector<double> s = interleaved_medians(
       {[&] { full.call(threads); }, [&] { quarter.call(threads); },
        [&] { aligned.call(threads); }, zero_pad},
@@ -447,4 +507,18 @@ int bench_command(const BenchOptions& o) {
   return 0;
 }
 
-}  // namespace moe_reroute::tools
+}  // namespace
+}  // namespace moe_reroute::bench
+
+int main(int argc, char** argv) {
+  CLI::App app{"moe-reroute-bench: verify moe_re_routing, then time it against a plain copy"};
+  moe_reroute::bench::BenchOptions o;
+  moe_reroute::tools::add_workload_options(app, o.workload);
+  moe_reroute::tools::add_threads_option(app, o.threads);
+  app.add_option("--repeat", o.repeat, "timed rounds")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 20));
+  app.add_flag("--json", o.json, "print a JSON object as the last line");
+  return moe_reroute::tools::parse_and_run(app, argc, argv,
+                                           [&] { return moe_reroute::bench::run_bench(o); });
+}
