@@ -14,16 +14,16 @@ constexpr int kTokens = 0, kScales = 2, kWeight = 3;
 
 constexpr OutputDesc kRerouteOutputs[] = {
     {"permute_tokens", kTokens},
-    {"permute_per_token_scales", kScales},
-    {"permute_token_idx"},
-    {"expert_token_num"},
-    {"permute_topk_weight", kWeight},
+    {"permute_per_token_scales", kScales},  // [R] float32 zeros without scales
+    {"permute_token_idx", kOwnSpec, false, OutputRows::kIndexRows},
+    {"expert_token_num", kOwnSpec, false, OutputRows::kExperts},
+    {"permute_topk_weight", kWeight, false, OutputRows::kRows, /*empty_when_absent=*/true},
 };
 
 constexpr OutputDesc kInverseOutputs[] = {
     {"restored_tokens", kTokens},
-    {"restored_per_token_scales", kScales, /*optional=*/true},
-    {"restored_topk_weight", kWeight, /*optional=*/true},
+    {"restored_per_token_scales", kScales, /*optional=*/true, OutputRows::kRows, true},
+    {"restored_topk_weight", kWeight, /*optional=*/true, OutputRows::kRows, true},
 };
 
 // In the order of the torch schemas, which are public and positional.
@@ -46,6 +46,24 @@ const AttributeDesc kRerouteAttributes[] = {kExpertTokenNumType, kIdxType, kToke
 const AttributeDesc kInverseAttributes[] = {kTokensDType, kExpertAlignment, kAllowSpareRows};
 
 }  // namespace
+
+RowsFormula output_rows(const OperatorDesc& op, std::size_t output, const Attributes& attributes,
+                        bool input_given) {
+  const OutputDesc& desc = op.outputs[output];
+  if (desc.empty_when_absent && !input_given) return {};
+  // The forward's R = A + E * (k - 1), the inverse's A = R - E * (k - 1) (docs/spec.md section 9).
+  const std::int64_t pad = attributes.expert_alignment - 1;
+  const RowsFormula rows = &op == &reroute_desc() ? RowsFormula{1, pad} : RowsFormula{1, -pad};
+  switch (desc.rows) {
+    case OutputRows::kRows:
+      return rows;
+    case OutputRows::kIndexRows:
+      return attributes.idx_type == kIdxGather ? rows : RowsFormula{1, 0};
+    case OutputRows::kExperts:
+      return {0, 1};
+  }
+  return rows;
+}
 
 const OperatorDesc& reroute_desc() {
   static const OperatorDesc desc{"moe_re_routing", kInputs, kRerouteOutputs, kRerouteAttributes};

@@ -5,6 +5,7 @@
 /// torch adapters, the torch schema and the CLI read it, so that a name is
 /// spelled once.
 
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string_view>
@@ -24,10 +25,25 @@ struct InputDesc {
 /// kOwnSpec: stored as its own spec, as also where that input is absent.
 inline constexpr int kOwnSpec = -1;
 
+/// What an output's dim 0 counts: the operator's output rows (R forward,
+/// A inverse), the index's rows (R gather, A scatter) or the experts (E).
+enum class OutputRows { kRows, kIndexRows, kExperts };
+
 struct OutputDesc {
   std::string_view name;
   int stored_like = kOwnSpec;
   bool optional = false;  // given exactly when its stored_like input is
+  OutputRows rows = OutputRows::kRows;
+  bool empty_when_absent = false;  // (0,) where its stored_like input is absent
+};
+
+/// An output's rows as per_input_row * (tokens' rows) + per_expert * E: the
+/// shape rules are affine in both, so graph compilers whose sizes are symbols
+/// size outputs by it.
+struct RowsFormula {
+  std::int64_t per_input_row = 0;
+  std::int64_t per_expert = 0;
+  bool operator==(const RowsFormula& other) const = default;
 };
 
 /// kInt and kBool attributes are members of Attributes; kDTypeName is the
@@ -62,6 +78,11 @@ struct OperatorDesc {
   std::span<const OutputDesc> outputs;
   std::span<const AttributeDesc> attributes;  // those it reads, in schema order
 };
+
+/// Output `output` of `op` for `attributes` (valid ones), its stored_like
+/// input given or not.
+MOE_REROUTE_API RowsFormula output_rows(const OperatorDesc& op, std::size_t output,
+                                        const Attributes& attributes, bool input_given);
 
 /// moe_re_routing: (tokens, expert_token_num_per_rank, per_token_scales?,
 /// expert_topk_weight?) -> the five outputs of RerouteOutputs.

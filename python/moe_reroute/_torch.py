@@ -5,8 +5,8 @@ Python. What this module adds is how the public functions call them (FORWARD,
 FORWARD_OUT, INVERSE: in eager mode through the module's C++ entry points,
 which skip torch.ops' Python layer) and the fake kernels (FakeTensorMode,
 torch.compile, torch.export): the core's infer_reroute / infer_inverse run on
-the size hints decide every error and every output spec, and the output row
-counts are made symbolic from what the core returns; and the vmap rules, which
+the size hints decide every error and every output spec, and give each
+output's rows as a formula in the tokens' rows and E; and the vmap rules, which
 lay out a batch that shares its counts once (docs/torch.md)."""
 
 from __future__ import annotations
@@ -52,20 +52,14 @@ def _hint(size) -> int:
     return _size_hint(size) if isinstance(size, torch.SymInt) else int(size)
 
 
-def _describe(tensor, name: str, rows: int = 0, experts: int = 0, output: bool = False):
-    """A tensor for the core module, by its size hints and device; `rows` and
-    `experts` are added to its row dim (and, for the counts, to E) to probe
-    the rules. Only an output must be contiguous: the kernel copies inputs."""
+def _describe(tensor, name: str, output: bool = False):
+    """A tensor for the core module, by its size hints and device. Only an
+    output must be contiguous: the kernel copies inputs."""
     if tensor is None:
         return None
-    shape = [_hint(size) for size in tensor.shape]
-    if name == "expert_token_num_per_rank":
-        if len(shape) > 1:
-            shape[1] += experts
-    elif shape:
-        shape[0] += rows
-    return (name, str(tensor.dtype).removeprefix("torch."), 8 * tensor.element_size(), shape,
-            None, str(tensor.device), tensor.is_contiguous() if output else True)
+    return (name, str(tensor.dtype).removeprefix("torch."), 8 * tensor.element_size(),
+            [_hint(size) for size in tensor.shape], None, str(tensor.device),
+            tensor.is_contiguous() if output else True)
 
 
 def _attributes(op: str, values) -> tuple:
@@ -76,34 +70,20 @@ def _attributes(op: str, values) -> tuple:
     return _bridge.attributes(op, (*values, *defaults[len(values):]))
 
 
-def _infer(infer, tensors, attributes, rows=0, experts=0) -> list:
-    described = [_describe(t, n, rows, experts)
-                 for t, n in zip(tensors, _bridge.INPUT_NAMES)]
-    return infer(described, *attributes)
+def _infer(infer, tensors, attributes) -> list:
+    return infer([_describe(t, n) for t, n in zip(tensors, _bridge.INPUT_NAMES)], *attributes)
 
 
 def _fake(infer, tensors, attributes) -> tuple:
-    """Fake outputs: the core decides (raising eager's error) on the size
-    hints; each output's row count is then rebuilt from the symbolic A (tokens'
-    rows) and E (the counts' dim 1): the core is probed at A + 1 and E + 1
-    where they are symbolic, the rules being affine in A and E. Each output is
-    stored like the input the core names for it (its dtype, its trailing dims),
-    or as its spec, as the C++ kernel allocates it."""
-    specs = _infer(infer, tensors, attributes)
+    """Fake outputs: the core decides on the size hints (raising eager's
+    error) and gives each output's rows as a formula in the tokens' rows and
+    E, which are evaluated on the (possibly symbolic) sizes. Each output is
+    stored like the input the core names for it (its dtype, its trailing
+    dims), or as its spec, as the C++ kernel allocates it."""
     tokens, counts = tensors[0], tensors[1]
-    terms = []
-    for size, key in ((tokens.shape[0], "rows"),
-                      (counts.shape[1] if counts.dim() > 1 else 0, "experts")):
-        if isinstance(size, torch.SymInt):
-            probed = _infer(infer, tensors, attributes, **{key: 1})
-            terms.append((size, _hint(size), [p[1][0] - s[1][0] if s[1] else 0
-                                              for p, s in zip(probed, specs)]))
     outputs = []
-    for i, (dtype_name, shape, stored_like) in enumerate(specs):
-        rows = shape[0] if shape else None
-        for size, hint, slopes in terms:
-            if rows is not None and slopes[i]:
-                rows = rows + slopes[i] * (size - hint)
+    for dtype_name, shape, stored_like, (per_row, per_expert) in _infer(infer, tensors, attributes):
+        rows = per_row * tokens.shape[0] + per_expert * counts.shape[1] if shape else None
         source = tensors[stored_like] if stored_like is not None else None
         if source is not None:
             outputs.append(source.new_empty([rows, *source.shape[1:]]))

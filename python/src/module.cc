@@ -130,18 +130,24 @@ struct Inputs {
   }
 };
 
-// (dtype name, shape, the index of the input it is stored like or None) of
-// each output spec of `op`: what the torch fake kernels allocate by.
+// (dtype name, shape, the index of the input it is stored like or None, its
+// rows formula (per input row, per expert)) of each output spec of `op`: what
+// the torch fake kernels allocate by.
 template <std::size_t N>
-nb::list specs_list(const std::array<TensorSpec, N>& specs, const OperatorDesc& op) {
+nb::list specs_list(const std::array<TensorSpec, N>& specs, const OperatorDesc& op,
+                    const Attributes& attributes, const Inputs& call) {
   nb::list list;
   for (std::size_t i = 0; i < N; ++i) {
     const Shape& shape = specs[i].shape;
+    const int like = op.outputs[i].stored_like;
     nb::object input = nb::none();
-    if (op.outputs[i].stored_like != kOwnSpec) input = nb::int_(op.outputs[i].stored_like);
+    if (like != kOwnSpec) input = nb::int_(like);
+    const RowsFormula rows =
+        output_rows(op, i, attributes, like != kOwnSpec && call.args[like].has_value());
     list.append(nb::make_tuple(
         std::string(dtype_name(specs[i].dtype)),
-        std::vector<std::int64_t>(shape.dims.begin(), shape.dims.begin() + shape.ndim), input));
+        std::vector<std::int64_t>(shape.dims.begin(), shape.dims.begin() + shape.ndim), input,
+        nb::make_tuple(rows.per_input_row, rows.per_expert)));
   }
   return list;
 }
@@ -150,14 +156,14 @@ nb::list infer_forward(const nb::sequence& inputs, const Attributes& attributes,
                        const std::optional<std::string>& tokens_dtype) {
   const Inputs call(inputs, tokens_dtype);
   return specs_list(adapter::output_specs(infer_reroute(call.views<RerouteInputs>(), attributes)),
-                    reroute_desc());
+                    reroute_desc(), attributes, call);
 }
 
 nb::list infer_backward(const nb::sequence& inputs, const Attributes& attributes,
                         const std::optional<std::string>& tokens_dtype) {
   const Inputs call(inputs, tokens_dtype);
   return specs_list(adapter::output_specs(infer_inverse(call.views<InverseInputs>(), attributes)),
-                    inverse_desc());
+                    inverse_desc(), attributes, call);
 }
 
 // numpy.empty, looked up once and never released: a static Python object
@@ -438,8 +444,8 @@ NB_MODULE(_core, m) {
   m.def("infer_reroute", &infer_forward, nb::arg("inputs"), nb::arg("attributes"),
         nb::arg("tokens_dtype").none(),
         "The five output specs [(dtype name, logical shape, the index of the input it is "
-        "stored like or None)] of the forward for inputs (tokens, counts, scales, weight); "
-        "the core's infer_reroute.");
+        "stored like or None, (rows per input row, rows per expert))] of the forward for "
+        "inputs (tokens, counts, scales, weight); the core's infer_reroute and output_rows.");
   m.def("infer_inverse", &infer_backward, nb::arg("inputs"), nb::arg("attributes"),
         nb::arg("tokens_dtype").none(),
         "The three output specs of the inverse (an absent output: float32 (0,)).");

@@ -5,12 +5,15 @@
 #include <gtest/gtest.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <cstring>
+#include <iterator>
 #include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
 
+#include "moe_reroute/operator.h"
 #include "sweep.h"
 
 namespace moe_reroute::test {
@@ -203,6 +206,63 @@ TEST(CheckOutputSpecs, RefusesEachOutputOffItsSpecAsTheRunDoes) {
       ADD_FAILURE() << "the run took an output off its spec";
     } catch (const Error& error) {
       EXPECT_EQ(error.what(), refused);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace moe_reroute::test
+
+namespace moe_reroute::test {
+namespace {
+
+// output_rows is the shape rules' dim 0 as a formula in the tokens' rows and
+// E: checked against inference over every attribute and input combination.
+TEST(OutputRows, IsWhatInferenceGivesAtEverySize) {
+  for (const std::int64_t rows : {0, 1, 7, 300}) {
+    for (const std::int64_t experts : {1, 3, 16}) {
+      for (const std::int64_t k : {1, 2, 128}) {
+        for (const std::int64_t idx_type : {kIdxGather, kIdxScatter}) {
+          for (const bool given : {false, true}) {
+            const Attributes attributes{kExpertTokenNumCount, idx_type, k, true};
+            const auto formula = [&](const OperatorDesc& op, std::size_t i, std::int64_t r) {
+              const RowsFormula f = output_rows(op, i, attributes, given);
+              return f.per_input_row * r + f.per_expert * experts;
+            };
+            RerouteInputs in{TensorView(nullptr, DType::kFloat16, {rows, 8}),
+                             TensorView(nullptr, DType::kInt32, {2, experts})};
+            if (given) {
+              in.per_token_scales = TensorView(nullptr, DType::kFloat32, {rows, 2});
+              in.expert_topk_weight = TensorView(nullptr, DType::kFloat32, {rows, 1});
+            }
+            const RerouteOutputSpecs specs = infer_reroute(in, attributes);
+            const TensorSpec forward[] = {specs.permute_tokens, specs.permute_per_token_scales,
+                                          specs.permute_token_idx, specs.expert_token_num,
+                                          specs.permute_topk_weight};
+            for (std::size_t i = 0; i < std::size(forward); ++i) {
+              EXPECT_EQ(forward[i].shape[0], formula(reroute_desc(), i, rows))
+                  << reroute_desc().outputs[i].name << " A=" << rows << " E=" << experts
+                  << " k=" << k;
+            }
+            const std::int64_t inverse_rows = rows + experts * (k - 1);
+            InverseInputs back{TensorView(nullptr, DType::kFloat32, {inverse_rows, 8}),
+                               TensorView(nullptr, DType::kInt32, {2, experts})};
+            if (given) {
+              back.per_token_scales = TensorView(nullptr, DType::kFloat32, {inverse_rows});
+              back.expert_topk_weight = TensorView(nullptr, DType::kFloat32, {inverse_rows, 1});
+            }
+            const InverseOutputSpecs restored = infer_inverse(back, attributes);
+            const TensorSpec absent{DType::kFloat32, {0}};
+            const TensorSpec inverse[] = {restored.restored_tokens,
+                                          restored.restored_per_token_scales.value_or(absent),
+                                          restored.restored_topk_weight.value_or(absent)};
+            for (std::size_t i = 0; i < std::size(inverse); ++i) {
+              EXPECT_EQ(inverse[i].shape[0], formula(inverse_desc(), i, inverse_rows))
+                  << inverse_desc().outputs[i].name << " R=" << inverse_rows;
+            }
+          }
+        }
+      }
     }
   }
 }
