@@ -32,8 +32,10 @@ const AttributeDesc kExpertTokenNumType{"expert_token_num_type", AttributeKind::
                                         nullptr, "0 = cumsum, 1 = count"};
 const AttributeDesc kIdxType{"idx_type", AttributeKind::kInt, kIdxGather, &Attributes::idx_type,
                              nullptr, "0 = gather index, 1 = scatter index"};
-const AttributeDesc kTokensDType{"tokens_dtype", AttributeKind::kDTypeName, 0, nullptr, nullptr,
-                                 "the logical dtype of unsigned token storage"};
+const AttributeDesc kTokensDType{
+    "tokens_dtype", AttributeKind::kDTypeName, 0, nullptr, nullptr,
+    "the logical dtype of unsigned token storage (bfloat16 for uint16; FP8, hifloat8, FP4 for "
+    "uint8)"};
 const AttributeDesc kExpertAlignment{
     "expert_alignment", AttributeKind::kInt, 1, &Attributes::expert_alignment, nullptr,
     "k: pad each expert's segment to a multiple of k rows (docs/spec.md section 9)"};

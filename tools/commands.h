@@ -14,16 +14,9 @@ namespace moe_reroute::tools {
 struct RunOptions {
   std::string tokens, counts, scales, topk_weight;
   std::string tokens_dtype, scales_dtype;
-  std::int64_t idx_type = 0;
-  std::int64_t expert_token_num_type = 1;
-  std::int64_t expert_alignment = 1;
-  bool allow_spare_rows = false;
+  Attributes attributes;
   int threads = 0;
   std::string out;
-
-  Attributes attributes() const {
-    return {expert_token_num_type, idx_type, expert_alignment, allow_spare_rows};
-  }
 };
 
 int run_command(const RunOptions& options);

@@ -36,16 +36,13 @@ int gen_command(const GenOptions& o) {
   if (default_dtype(storage_descr(config.token_dtype)) != config.token_dtype) {
     command += " --tokens-dtype " + std::string(dtype_name(config.token_dtype));
   }
-  const Attributes& attributes = config.attributes;
-  if (attributes.idx_type != kIdxGather)
-    command += " --idx-type " + std::to_string(attributes.idx_type);
-  if (attributes.expert_token_num_type != kExpertTokenNumCount) {
-    command += " --expert-token-num-type " + std::to_string(attributes.expert_token_num_type);
+  for (const AttributeDesc& attribute : reroute_desc().attributes) {
+    if (attribute.kind == AttributeKind::kDTypeName) continue;
+    const std::int64_t value = attribute.get(config.attributes);
+    if (value == attribute.default_value) continue;
+    command += " " + flag_name(attribute.name);
+    if (attribute.kind == AttributeKind::kInt) command += " " + std::to_string(value);
   }
-  if (attributes.expert_alignment != 1) {
-    command += " --expert-alignment " + std::to_string(attributes.expert_alignment);
-  }
-  if (attributes.allow_spare_rows) command += " --allow-spare-rows";
   out.commit();
   std::cout << command << " --out " << (dir / "out").string() << "\n";
   return 0;

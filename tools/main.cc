@@ -11,7 +11,6 @@
 
 namespace {
 
-using moe_reroute::tools::add_int_option;
 using moe_reroute::tools::GenOptions;
 using moe_reroute::tools::RunOptions;
 
@@ -21,19 +20,10 @@ void add_run_options(CLI::App& command, RunOptions& o, bool forward) {
       ->required();
   command.add_option("--scales", o.scales, "per_token_scales .npy");
   command.add_option("--topk-weight", o.topk_weight, "expert_topk_weight .npy, [A, 1] float32");
-  command.add_option("--tokens-dtype", o.tokens_dtype,
-                     "logical dtype of the tokens storage (bfloat16 for <u2; FP8, hifloat8, "
-                     "FP4 for uint8)");
   command.add_option("--scales-dtype", o.scales_dtype, "float8_e8m0 for uint8 scales");
-  if (forward) {
-    add_int_option(command, "--idx-type", o.idx_type, "0 = gather index, 1 = scatter index");
-    add_int_option(command, "--expert-token-num-type", o.expert_token_num_type,
-                   "0 = cumsum, 1 = count");
-  }
-  add_int_option(command, "--expert-alignment", o.expert_alignment,
-                 "k: pad each expert's segment to a multiple of k rows (docs/spec.md section 9)");
-  command.add_flag("--allow-spare-rows", o.allow_spare_rows,
-                   "the counts may sum to less than A (fixed-capacity buffers)");
+  moe_reroute::tools::add_attribute_options(
+      command, forward ? moe_reroute::reroute_desc() : moe_reroute::inverse_desc(), o.attributes,
+      /*with_flags=*/true, &o.tokens_dtype);
   moe_reroute::tools::add_threads_option(command, o.threads);
   command.add_option("--out", o.out, "output directory (created if missing)")->required();
 }

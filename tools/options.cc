@@ -2,6 +2,7 @@
 
 #include "options.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <iostream>
@@ -91,6 +92,27 @@ CLI::Option* add_threads_option(CLI::App& command, int& threads) {
       ->check(count);
 }
 
+std::string flag_name(std::string_view name) {
+  std::string flag = "--" + std::string(name);
+  std::replace(flag.begin(), flag.end(), '_', '-');
+  return flag;
+}
+
+void add_attribute_options(CLI::App& command, const OperatorDesc& op, Attributes& attributes,
+                           bool with_flags, std::string* dtype_name) {
+  for (const AttributeDesc& attribute : op.attributes) {
+    const std::string flag = flag_name(attribute.name);
+    const std::string help(attribute.help);
+    if (attribute.kind == AttributeKind::kInt) {
+      add_int_option(command, flag, attributes.*attribute.int_member, help)->capture_default_str();
+    } else if (attribute.kind == AttributeKind::kBool && with_flags) {
+      command.add_flag(flag, attributes.*attribute.bool_member, help);
+    } else if (attribute.kind == AttributeKind::kDTypeName && dtype_name) {
+      command.add_option(flag, *dtype_name, help);
+    }
+  }
+}
+
 void add_workload_options(CLI::App& command, WorkloadOptions& w) {
   add_int_option(command, "--tokens", w.tokens, "A, tokens")->capture_default_str();
   add_int_option(command, "--hidden", w.hidden, "H, elements per token")->capture_default_str();
@@ -106,14 +128,7 @@ void add_workload_options(CLI::App& command, WorkloadOptions& w) {
   command.add_flag("--topk-weight,!--no-topk-weight", w.topk_weight, "give [A, 1] top-k weights");
   command.add_option("--skew", w.skew, "count skew, 0 = uniform")->capture_default_str();
   add_int_option(command, "--seed", w.seed, "random seed")->capture_default_str();
-  add_int_option(command, "--idx-type", w.idx_type, "0 = gather index, 1 = scatter index")
-      ->capture_default_str();
-  add_int_option(command, "--expert-token-num-type", w.expert_token_num_type,
-                 "0 = cumsum, 1 = count")
-      ->capture_default_str();
-  add_int_option(command, "--expert-alignment", w.expert_alignment,
-                 "k, the expert segment alignment")
-      ->capture_default_str();
+  add_attribute_options(command, reroute_desc(), w.attributes, /*with_flags=*/false, nullptr);
   add_int_option(command, "--valid-tokens", w.valid_tokens,
                  "rows the counts cover, the rest spare (allow_spare_rows); -1 = all")
       ->capture_default_str();
@@ -130,8 +145,8 @@ testing::WorkloadConfig workload_config(const WorkloadOptions& o) {
   config.has_weight = o.topk_weight;
   config.skew = o.skew;
   config.seed = o.seed;
-  config.attributes = {o.expert_token_num_type, o.idx_type, o.expert_alignment,
-                       o.valid_tokens >= 0};
+  config.attributes = o.attributes;
+  config.attributes.allow_spare_rows = o.valid_tokens >= 0;
   config.num_valid_tokens = o.valid_tokens;
   if (o.tokens < 0 || o.hidden < 1 || o.ranks < 1 || o.experts < 1) {
     fail("--tokens >= 0, --hidden >= 1, --ranks >= 1 and --experts >= 1 are required");

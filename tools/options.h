@@ -8,7 +8,9 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <string_view>
 
+#include "moe_reroute/operator.h"
 #include "workload.h"
 
 namespace moe_reroute::tools {
@@ -18,6 +20,15 @@ CLI::Option* add_int_option(CLI::App& command, const std::string& name, std::int
                             const std::string& description);
 CLI::Option* add_int_option(CLI::App& command, const std::string& name, std::uint64_t& value,
                             const std::string& description);
+
+/// `--name-with-dashes` for the attribute `name`.
+std::string flag_name(std::string_view name);
+
+/// One option per int attribute of `op` (and, with `with_flags`, a flag per
+/// bool attribute), named and described by the operator's description, into
+/// `attributes`; `dtype_name`, where given, takes the dtype-name attribute.
+void add_attribute_options(CLI::App& command, const OperatorDesc& op, Attributes& attributes,
+                           bool with_flags, std::string* dtype_name);
 
 /// --threads N, N >= 0 (0 = all hardware threads).
 CLI::Option* add_threads_option(CLI::App& command, int& threads);
@@ -36,9 +47,7 @@ struct WorkloadOptions {
   bool topk_weight = true;
   double skew = 0.0;
   std::uint64_t seed = 0;
-  std::int64_t idx_type = 0;
-  std::int64_t expert_token_num_type = 1;
-  std::int64_t expert_alignment = 1;
+  Attributes attributes;  // allow_spare_rows follows valid_tokens
   std::int64_t valid_tokens = -1;  // rows the counts cover; -1: all (else allow_spare_rows)
 };
 

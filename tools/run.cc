@@ -69,7 +69,7 @@ int run_command(const RunOptions& o) {
   const LoadedInputs loaded = load_inputs(o);
   const RerouteInputs inputs{loaded.tokens.view, loaded.counts.view, view_of(loaded.scales),
                              view_of(loaded.weight)};
-  const Plan plan = plan_reroute(inputs, o.attributes(), o.threads);
+  const Plan plan = plan_reroute(inputs, o.attributes, o.threads);
   OutputBuffers buffers(plan.output_specs());
   const std::vector<TensorView>& v = buffers.views;
   run_reroute(plan, inputs, {v[0], v[1], v[2], v[3], v[4]});
@@ -84,7 +84,7 @@ int inverse_command(const RunOptions& o) {
   const LoadedInputs loaded = load_inputs(o);
   const InverseInputs inputs{loaded.tokens.view, loaded.counts.view, view_of(loaded.scales),
                              view_of(loaded.weight)};
-  const Plan plan = plan_inverse(inputs, o.attributes(), o.threads);
+  const Plan plan = plan_inverse(inputs, o.attributes, o.threads);
   OutputBuffers buffers(plan.output_specs());
   const std::vector<TensorView>& v = buffers.views;
   InverseOutputs outputs{v[0], std::nullopt, std::nullopt};
