@@ -1,0 +1,66 @@
+#pragma once
+
+// What the torch glue's files share: the operators' C++ types and handles, the error translation.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "moe_reroute/moe_reroute.h"
+
+namespace moe_reroute::torch_ops {
+
+using at::Tensor;
+using OptionalTensor = std::optional<Tensor>;
+using OptionalName = std::optional<c10::string_view>;
+using Forward = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>;
+using Inverse = std::tuple<Tensor, Tensor, Tensor>;
+
+// The kernels' C++ signatures, as the schemas (torch_ops.cc) give them.
+using RerouteKernel = Forward(const Tensor& tokens, const Tensor& counts,
+                              const OptionalTensor& scales, const OptionalTensor& weight,
+                              std::int64_t expert_token_num_type, std::int64_t idx_type,
+                              OptionalName tokens_dtype, std::int64_t expert_alignment,
+                              bool allow_spare_rows);
+using RerouteOutKernel = void(const Tensor& tokens, const Tensor& counts,
+                              const Tensor& permute_tokens, const Tensor& permute_per_token_scales,
+                              const Tensor& permute_token_idx, const Tensor& expert_token_num,
+                              const Tensor& permute_topk_weight, const OptionalTensor& scales,
+                              const OptionalTensor& weight, std::int64_t expert_token_num_type,
+                              std::int64_t idx_type, OptionalName tokens_dtype,
+                              std::int64_t expert_alignment, bool allow_spare_rows);
+using InverseKernel = Inverse(const Tensor& tokens, const Tensor& counts,
+                              const OptionalTensor& scales, const OptionalTensor& weight,
+                              OptionalName tokens_dtype, std::int64_t expert_alignment,
+                              bool allow_spare_rows);
+
+/// The operators moe_re_routing, moe_re_routing_out and moe_re_routing_inverse,
+/// for calls through the dispatcher (every dispatch key, as torch.ops calls).
+c10::TypedOperatorHandle<RerouteKernel> forward_op();
+c10::TypedOperatorHandle<RerouteOutKernel> out_op();
+c10::TypedOperatorHandle<InverseKernel> inverse_op();
+
+/// Throws `error` as Python's exception by its kind: TypeError, ValueError,
+/// RuntimeError.
+[[noreturn]] void raise(const Error& error);
+
+/// `body()`, a library Error it throws raised as Python's exception.
+template <typename Body>
+auto translated(Body body) {
+  try {
+    return body();
+  } catch (const Error& error) {
+    raise(error);
+  }
+}
+
+inline std::optional<std::string> name_of(const OptionalName& name) {
+  if (!name) return std::nullopt;
+  return std::string(*name);
+}
+
+}  // namespace moe_reroute::torch_ops
