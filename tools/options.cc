@@ -180,7 +180,7 @@ testing::WorkloadConfig workload_config(const WorkloadOptions& o) {
     bad_scales(o.scales);
   }
   // The core's own checks of shapes, dtypes and attributes, before the
-  // workload allocates outputs by them (an expert_alignment of 0 would size
+  // workload allocates outputs by them (an alignment of 0 would size
   // them negative).
   infer_reroute(testing::meta_inputs(config), config.attributes);
   return config;

@@ -93,12 +93,18 @@ def _fake(infer, tensors, attributes) -> tuple:
     return tuple(outputs)
 
 
-@torch.library.register_fake("moe_reroute::moe_re_routing")
-def _reroute_fake(tokens, expert_token_num_per_rank, per_token_scales=None,
-                  expert_topk_weight=None, *attributes):
-    return _fake(_core.infer_reroute,
-                 (tokens, expert_token_num_per_rank, per_token_scales, expert_topk_weight),
-                 _attributes(_bridge.REROUTE, attributes))
+def _fake_kernel(name, infer):
+    """The fake kernel of the operator `name`, whose shape rules are `infer`."""
+    def kernel(tokens, expert_token_num_per_rank, per_token_scales=None, expert_topk_weight=None,
+               *attributes):
+        return _fake(infer, (tokens, expert_token_num_per_rank, per_token_scales,
+                             expert_topk_weight), _attributes(name, attributes))
+    return kernel
+
+
+for _name, _infer_op in ((_bridge.REROUTE, _core.infer_reroute),
+                         (_bridge.INVERSE, _core.infer_inverse)):
+    torch.library.register_fake(f"moe_reroute::{_name}", _fake_kernel(_name, _infer_op))
 
 
 @torch.library.register_fake("moe_reroute::moe_re_routing_out")
@@ -137,14 +143,6 @@ def _strided(named) -> list:
         described.append((name, address, [_hint(s) for s in tensor.shape],
                           [_hint(s) for s in tensor.stride()], item))
     return described
-
-
-@torch.library.register_fake("moe_reroute::moe_re_routing_inverse")
-def _inverse_fake(tokens, expert_token_num_per_rank, per_token_scales=None,
-                  expert_topk_weight=None, *attributes):
-    return _fake(_core.infer_inverse,
-                 (tokens, expert_token_num_per_rank, per_token_scales, expert_topk_weight),
-                 _attributes(_bridge.INVERSE, attributes))
 
 
 # ---- torch.vmap: the layout once for a batch that shares its counts ----

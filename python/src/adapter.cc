@@ -1,6 +1,8 @@
 #include "adapter.h"
 
+#include <iterator>
 #include <limits>
+#include <vector>
 
 namespace moe_reroute::adapter {
 namespace {
@@ -129,11 +131,11 @@ void check_out_against_copied(const RerouteOutputSpecs& specs, const RerouteOutp
   const TensorView* views[] = {&outputs.permute_tokens, &outputs.permute_per_token_scales,
                                &outputs.permute_token_idx, &outputs.expert_token_num,
                                &outputs.permute_topk_weight};
-  std::array<ByteSpan, kForwardOutputNames.size()> spans;
-  for (std::size_t i = 0; i < spans.size(); ++i) {
+  std::vector<ByteSpan> spans;
+  for (std::size_t i = 0; i < std::size(views); ++i) {
     const auto begin = reinterpret_cast<std::uintptr_t>(views[i]->data);
-    spans[i] = {kForwardOutputNames[i], begin,
-                begin + static_cast<std::uintptr_t>(views[i]->nbytes())};
+    spans.push_back({reroute_desc().outputs[i].name.data(), begin,
+                     begin + static_cast<std::uintptr_t>(views[i]->nbytes())});
   }
   check_disjoint(copied_inputs, spans);
 }

@@ -54,23 +54,8 @@ TensorView core_view(const void* data, Storage storage, std::span<const std::int
                      const char* arg, const std::optional<std::string>& logical,
                      const char* logical_arg);
 
-/// How the frameworks store each output: like the input it comes from (that
-/// input's storage dtype and trailing storage dims, with the spec's rows),
-/// named here by its index in (tokens, expert_token_num_per_rank,
-/// per_token_scales, expert_topk_weight); as its own spec where that input is
-/// absent or the index is kOwnSpec. The one statement of this rule: the torch
-/// kernels, the NumPy allocation and the torch fake kernels all read it.
-inline constexpr int kOwnSpec = -1;
-inline constexpr std::array<int, 5> kForwardStoredLike = {0, 2, kOwnSpec, kOwnSpec, 3};
-inline constexpr std::array<int, 3> kInverseStoredLike = {0, 2, 3};
-
-/// The outputs' names and specs in struct order; an absent optional output of
-/// the inverse is float32 (0,), as the forward's permute_topk_weight.
-inline constexpr std::array<const char*, 5> kForwardOutputNames = {
-    "permute_tokens", "permute_per_token_scales", "permute_token_idx", "expert_token_num",
-    "permute_topk_weight"};
-inline constexpr std::array<const char*, 3> kInverseOutputNames = {
-    "restored_tokens", "restored_per_token_scales", "restored_topk_weight"};
+/// The outputs' specs in struct order; an absent optional output of the
+/// inverse is float32 (0,), as the forward's permute_topk_weight.
 std::array<TensorSpec, 5> output_specs(const RerouteOutputSpecs& specs);
 std::array<TensorSpec, 3> output_specs(const InverseOutputSpecs& specs);
 

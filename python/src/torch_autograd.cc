@@ -61,11 +61,10 @@ void zero_rows_from(Tensor& gradient, const Tensor& valid) {
 class ReorderBackward : public Node {
  public:
   ReorderBackward(const Tensor& counts, const OptionalName& tokens_dtype,
-                  std::int64_t expert_alignment, bool allow_spare_rows)
+                  const Attributes& attributes)
       : counts_(counts, /*is_output=*/false),
         tokens_dtype_(name_of(tokens_dtype)),
-        expert_alignment_(expert_alignment),
-        allow_spare_rows_(allow_spare_rows) {}
+        attributes_(attributes) {}
 
   void release_variables() override { counts_.reset_data(); }
 
@@ -111,8 +110,7 @@ class ReorderBackward : public Node {
 
   torch::autograd::SavedVariable counts_;
   std::optional<std::string> tokens_dtype_;
-  std::int64_t expert_alignment_;
-  bool allow_spare_rows_;
+  Attributes attributes_;
 };
 
 // The forward's backward: the inverse reorder of the incoming gradients.
@@ -123,12 +121,16 @@ class RerouteBackward final : public ReorderBackward {
 
   variable_list apply(variable_list&& grads) override {
     const Tensor counts = this->counts();
-    auto [tokens, scales, weight] = inverse_op().call(
-        gradient(grads, 0), counts, gradient_for(kScales, grads, 1),
-        gradient_for(kWeight, grads, 4), tokens_dtype(), expert_alignment_, allow_spare_rows_);
+    auto [tokens, scales, weight] = std::apply(
+        [&](const auto&... attributes) {
+          return inverse_op().call(gradient(grads, 0), counts, gradient_for(kScales, grads, 1),
+                                   gradient_for(kWeight, grads, 4), attributes...);
+        },
+        inverse_arguments(attributes_, tokens_dtype()));
     // The forward's spare input rows, past the counts' sum.
-    return input_gradients(std::move(tokens), std::move(scales), std::move(weight),
-                          allow_spare_rows_ ? std::optional<Tensor>(counts.sum()) : std::nullopt);
+    return input_gradients(
+        std::move(tokens), std::move(scales), std::move(weight),
+        attributes_.allow_spare_rows ? std::optional<Tensor>(counts.sum()) : std::nullopt);
   }
 };
 
@@ -139,13 +141,20 @@ class InverseBackward final : public ReorderBackward {
   std::string name() const override { return "MoeReRoutingInverseBackward"; }
 
   variable_list apply(variable_list&& grads) override {
-    auto [tokens, scales, idx, cumsum, weight] = forward_op().call(
-        gradient(grads, 0), counts(), gradient_for(kScales, grads, 1),
-        gradient_for(kWeight, grads, 2), kExpertTokenNumCumsum, kIdxGather, tokens_dtype(),
-        expert_alignment_, allow_spare_rows_);
+    Attributes forward = attributes_;
+    forward.expert_token_num_type = kExpertTokenNumCumsum;
+    forward.idx_type = kIdxGather;
+    auto [tokens, scales, idx, cumsum, weight] = std::apply(
+        [&](const auto&... attributes) {
+          return forward_op().call(gradient(grads, 0), counts(), gradient_for(kScales, grads, 1),
+                                   gradient_for(kWeight, grads, 2), attributes...);
+        },
+        reroute_arguments(forward, tokens_dtype()));
     // The inverse's tail input rows, past the last padded segment end
-    // (cumsum[-1]): there are some with padding room or spare rows.
-    const bool tail = expert_alignment_ > 1 || allow_spare_rows_;
+    // (cumsum[-1]): there are some with padding room (the forward's rows per
+    // expert) or spare rows.
+    const bool tail = attributes_.allow_spare_rows ||
+                      output_rows(reroute_desc(), 0, attributes_, true).per_expert != 0;
     return input_gradients(std::move(tokens), std::move(scales), std::move(weight),
                            tail ? std::optional<Tensor>(cumsum[-1]) : std::nullopt);
   }
@@ -167,10 +176,10 @@ void set_history(const NodePtr& node, const Tensor& output) {
 template <typename Backward, typename Call>
 auto recorded(const Tensor& tokens, const Tensor& counts, const OptionalTensor& scales,
               const OptionalTensor& weight, const OptionalName& tokens_dtype,
-              std::int64_t expert_alignment, bool allow_spare_rows, const Call& call) {
+              const Attributes& attributes, const Call& call) {
   NodePtr node;
   if (requires_grad(tokens, scales, weight)) {
-    node = make_node<Backward>(counts, tokens_dtype, expert_alignment, allow_spare_rows);
+    node = make_node<Backward>(counts, tokens_dtype, attributes);
     node->set_next_edges(torch::autograd::collect_next_edges(tokens, scales, weight));
   }
   auto outputs = [&] {
@@ -235,8 +244,9 @@ Forward reroute_autograd(const Tensor& tokens, const Tensor& counts, const Optio
   if (has_tangent(tokens) || has_tangent(scales) || has_tangent(weight)) {
     return with_tangents<0, 1, 4>(tokens, scales, weight, call);
   }
-  return recorded<RerouteBackward>(tokens, counts, scales, weight, tokens_dtype, expert_alignment,
-                                   allow_spare_rows, call);
+  return recorded<RerouteBackward>(
+      tokens, counts, scales, weight, tokens_dtype,
+      attributes_of(expert_token_num_type, idx_type, expert_alignment, allow_spare_rows), call);
 }
 
 Inverse inverse_autograd(const Tensor& tokens, const Tensor& counts, const OptionalTensor& scales,
@@ -248,8 +258,9 @@ Inverse inverse_autograd(const Tensor& tokens, const Tensor& counts, const Optio
   if (has_tangent(tokens) || has_tangent(scales) || has_tangent(weight)) {
     return with_tangents<0, 1, 2>(tokens, scales, weight, call);
   }
-  return recorded<InverseBackward>(tokens, counts, scales, weight, tokens_dtype, expert_alignment,
-                                   allow_spare_rows, call);
+  return recorded<InverseBackward>(
+      tokens, counts, scales, weight, tokens_dtype,
+      attributes_of(kExpertTokenNumCount, kIdxGather, expert_alignment, allow_spare_rows), call);
 }
 
 // The out= op's autograd kernel, boxed: it reads each argument by its schema

@@ -61,18 +61,16 @@ struct Call {
   // The dtype name the scales outputs are read as: the scales' own, or none.
   std::optional<std::string> out_scales_dtype() const { return scales ? scales_dtype : std::nullopt; }
 
-  // Fresh outputs for `specs` on the call's device, each stored as adapter.h's
-  // `stored_like` says.
+  // Fresh outputs for `specs` on the call's device, each stored as `op`'s
+  // description says.
   template <typename Outputs, std::size_t N>
-  Outputs allocate_outputs(const std::array<TensorSpec, N>& specs,
-                           const std::array<int, N>& stored_like) const {
+  Outputs allocate_outputs(const std::array<TensorSpec, N>& specs, const OperatorDesc& op) const {
     const Tensor* inputs[] = {&tokens, &counts, scales ? &*scales : nullptr,
                               weight ? &*weight : nullptr};
     std::array<Tensor, N> tensors;
     for (std::size_t i = 0; i < N; ++i) {
-      tensors[i] = allocate(specs[i],
-                            stored_like[i] == adapter::kOwnSpec ? nullptr : inputs[stored_like[i]],
-                            device);
+      const int like = op.outputs[i].stored_like;
+      tensors[i] = allocate(specs[i], like == kOwnSpec ? nullptr : inputs[like], device);
     }
     return std::apply([](auto&... each) { return Outputs{std::move(each)...}; }, tensors);
   }

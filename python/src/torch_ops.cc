@@ -94,11 +94,6 @@ void run([[maybe_unused]] const Call& call, const InverseInputs& inputs,
   moe_re_routing_inverse(inputs, outputs, attributes);
 }
 
-Attributes attributes_of(std::int64_t expert_token_num_type, std::int64_t idx_type,
-                         std::int64_t expert_alignment, bool allow_spare_rows) {
-  return {expert_token_num_type, idx_type, expert_alignment, allow_spare_rows};
-}
-
 RerouteOutputs reroute_outputs(const Call& call, const Tensor& tokens, const Tensor& scales,
                                const Tensor& idx, const Tensor& num, const Tensor& weight) {
   return {call.output(tokens, "permute_tokens", call.tokens_dtype),
@@ -117,7 +112,7 @@ Forward reroute(const Tensor& tokens, const Tensor& counts, const OptionalTensor
     const Attributes attributes =
         attributes_of(expert_token_num_type, idx_type, expert_alignment, allow_spare_rows);
     Forward outputs = call.allocate_outputs<Forward>(
-        adapter::output_specs(infer_reroute(inputs, attributes)), adapter::kForwardStoredLike);
+        adapter::output_specs(infer_reroute(inputs, attributes)), reroute_desc());
     auto& [out_tokens, out_scales, out_idx, out_num, out_weight] = outputs;
     run(call, inputs, reroute_outputs(call, out_tokens, out_scales, out_idx, out_num, out_weight),
         attributes);
@@ -156,7 +151,7 @@ Inverse inverse(const Tensor& tokens, const Tensor& counts, const OptionalTensor
     const Attributes attributes = attributes_of(kExpertTokenNumCount, kIdxGather,
                                                 expert_alignment, allow_spare_rows);
     Inverse outputs = call.allocate_outputs<Inverse>(
-        adapter::output_specs(infer_inverse(inputs, attributes)), adapter::kInverseStoredLike);
+        adapter::output_specs(infer_inverse(inputs, attributes)), inverse_desc());
     auto& [out_tokens, out_scales, out_weight] = outputs;
     InverseOutputs views{call.output(out_tokens, "restored_tokens", call.tokens_dtype)};
     if (call.scales) {
@@ -184,14 +179,41 @@ std::int64_t set_cpu_output_cache_limit(std::int64_t limit_bytes) {
 /// The bytes of freed CPU outputs kept for reuse now.
 std::int64_t cpu_output_cache_bytes() { return output_cache_bytes(); }
 
-constexpr const char* kAttributes =
-    "Tensor? per_token_scales=None, Tensor? expert_topk_weight=None, "
-    "int expert_token_num_type=1, int idx_type=0, str? tokens_dtype=None, "
-    "int expert_alignment=1, bool allow_spare_rows=False";
-
-// `head`, the attributes, then `tail`: a whole schema.
-std::string schema(const char* head, const char* tail) {
-  return std::string(head) + kAttributes + tail;
+// The schema of `op` from its description: the required inputs, then
+// `outputs` (the out= variant's, which it returns none of), the optional
+// inputs and the attributes with their defaults. Named `name`.
+std::string schema(const OperatorDesc& op, const std::string& name, bool out) {
+  std::string arguments;
+  const auto add = [&arguments](const std::string& argument) {
+    arguments += (arguments.empty() ? "" : ", ") + argument;
+  };
+  for (const InputDesc& input : op.inputs) {
+    if (!input.optional) add("Tensor " + std::string(input.name));
+  }
+  char alias = 'a';
+  for (const OutputDesc& output : op.outputs) {
+    if (out) add(std::string("Tensor(") + alias++ + "!) " + std::string(output.name));
+  }
+  for (const InputDesc& input : op.inputs) {
+    if (input.optional) add("Tensor? " + std::string(input.name) + "=None");
+  }
+  for (const AttributeDesc& attribute : op.attributes) {
+    const std::string attribute_name(attribute.name);
+    switch (attribute.kind) {
+      case AttributeKind::kInt:
+        add("int " + attribute_name + "=" + std::to_string(attribute.default_value));
+        break;
+      case AttributeKind::kBool:
+        add("bool " + attribute_name + (attribute.default_value ? "=True" : "=False"));
+        break;
+      case AttributeKind::kDTypeName:
+        add("str? " + attribute_name + "=None");
+        break;
+    }
+  }
+  std::string returns;
+  for (std::size_t i = 0; i < op.outputs.size() && !out; ++i) returns += i ? ", Tensor" : "Tensor";
+  return name + "(" + arguments + ") -> (" + returns + ")";
 }
 
 }  // namespace
@@ -226,22 +248,12 @@ namespace ops = moe_reroute::torch_ops;
 TORCH_LIBRARY(moe_reroute, m) {
   m.set_python_module("moe_reroute._torch");
   const std::vector<at::Tag> tags = {at::Tag::pt2_compliant_tag};
-  m.def(ops::schema("moe_re_routing(Tensor tokens, Tensor expert_token_num_per_rank, ",
-                    ") -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
-            .c_str(),
-        tags);
-  m.def(ops::schema("moe_re_routing_out(Tensor tokens, Tensor expert_token_num_per_rank, "
-               "Tensor(a!) permute_tokens, Tensor(b!) permute_per_token_scales, "
-               "Tensor(c!) permute_token_idx, Tensor(d!) expert_token_num, "
-               "Tensor(e!) permute_topk_weight, ",
-               ") -> ()")
-            .c_str(),
-        tags);
-  m.def(
-      "moe_re_routing_inverse(Tensor tokens, Tensor expert_token_num_per_rank, "
-      "Tensor? per_token_scales=None, Tensor? expert_topk_weight=None, str? tokens_dtype=None, "
-      "int expert_alignment=1, bool allow_spare_rows=False) -> (Tensor, Tensor, Tensor)",
-      tags);
+  const moe_reroute::OperatorDesc& forward = moe_reroute::reroute_desc();
+  const moe_reroute::OperatorDesc& inverse = moe_reroute::inverse_desc();
+  const std::string forward_name(forward.name);
+  m.def(ops::schema(forward, forward_name, false).c_str(), tags);
+  m.def(ops::schema(forward, forward_name + "_out", true).c_str(), tags);
+  m.def(ops::schema(inverse, std::string(inverse.name), false).c_str(), tags);
   m.def("cuda_check() -> ()", &ops::cuda_check);
   m.def("set_cuda_status_check(str mode) -> str", &ops::set_cuda_status_check);
   m.def("set_cpu_output_cache_limit(int limit_bytes) -> int", &ops::set_cpu_output_cache_limit);

@@ -58,6 +58,22 @@ auto translated(Body body) {
   }
 }
 
+/// The attributes the schemas take as positional arguments, as one value;
+/// the one place the torch glue unpacks or packs them.
+inline Attributes attributes_of(std::int64_t expert_token_num_type, std::int64_t idx_type,
+                                std::int64_t expert_alignment, bool allow_spare_rows) {
+  return {expert_token_num_type, idx_type, expert_alignment, allow_spare_rows};
+}
+/// `attributes` and `tokens_dtype` as the arguments after the tensors of the
+/// forward's and the inverse's schemas.
+inline auto reroute_arguments(const Attributes& a, OptionalName tokens_dtype) {
+  return std::tuple(a.expert_token_num_type, a.idx_type, tokens_dtype, a.expert_alignment,
+                    a.allow_spare_rows);
+}
+inline auto inverse_arguments(const Attributes& a, OptionalName tokens_dtype) {
+  return std::tuple(tokens_dtype, a.expert_alignment, a.allow_spare_rows);
+}
+
 inline std::optional<std::string> name_of(const OptionalName& name) {
   if (!name) return std::nullopt;
   return std::string(*name);
