@@ -11,6 +11,7 @@
 #include <string_view>
 
 #include "output_cache.h"
+#include "torch_backend.h"
 
 namespace moe_reroute::torch_ops {
 namespace {
@@ -87,13 +88,8 @@ const Tensor& given(const Tensor& tensor, const char* arg) {
 
 // The device of a call: tokens', where the build has its backend.
 c10::Device call_device(const Tensor& tokens) {
-  if (given(tokens, "tokens").is_cpu() || (tokens.is_cuda() && MOE_REROUTE_HAS_CUDA)) {
-    return tokens.device();
-  }
-  fail(ErrorCode::kInvalidArgument,
-       std::string("tokens: must be in CPU memory") +
-           (MOE_REROUTE_HAS_CUDA ? " or on a CUDA device"
-                                 : " (this build has only the CPU backend)"));
+  if (backend_of(given(tokens, "tokens").device().type())) return tokens.device();
+  fail(ErrorCode::kInvalidArgument, "tokens: must be in CPU memory" + other_devices());
 }
 
 // A fresh output. On the CPU it comes from output_cache.h's allocator, except

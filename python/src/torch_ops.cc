@@ -9,20 +9,15 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "adapter.h"
-#include "output_cache.h"
-#include "torch_call.h"
-#include "torch_cuda_status.h"
-#include "torch_ops.h"
 #include "moe_reroute/moe_reroute.h"
-#if MOE_REROUTE_HAS_CUDA
-#include <ATen/ops/empty.h>
-#include <c10/core/DeviceGuard.h>
-
-#include "moe_reroute/cuda.h"
-#endif
+#include "output_cache.h"
+#include "torch_backend.h"
+#include "torch_call.h"
+#include "torch_ops.h"
 
 namespace moe_reroute::torch_ops {
 
@@ -44,54 +39,24 @@ namespace {
 
 using adapter::fail;
 
-#if MOE_REROUTE_HAS_CUDA
-std::int64_t dim_or_zero(const Tensor& tensor, std::int64_t d) {
-  return tensor.dim() > d ? tensor.size(d) : 0;
-}
+// The CPU backend: the core itself.
+[[maybe_unused]] const bool cpu_registered = register_backend(
+    c10::DeviceType::CPU,
+    {[](const Call&, const RerouteInputs& inputs, const RerouteOutputs& outputs,
+        const Attributes& attributes) { moe_re_routing(inputs, outputs, attributes); },
+     [](const Call&, const InverseInputs& inputs, const InverseOutputs& outputs,
+        const Attributes& attributes) { moe_re_routing_inverse(inputs, outputs, attributes); }});
 
-// Runs `launch(context)` on the current stream of `call`'s device with a
-// workspace from the caching allocator (graph-capturable: no host sync).
-// Under capture, what capture cannot do (make the status word, sync mode's
-// read) is refused before anything is launched.
-template <typename Launch>
-void run_cuda(const Call& call, Launch launch) {
-  const c10::DeviceGuard guard(call.device);
-  const std::size_t bytes = cuda::required_workspace_bytes(dim_or_zero(call.counts, 0),
-                                                           dim_or_zero(call.counts, 1));
-  void* const stream = current_stream(call.device);
-  const StatusWord status = status_word(call.device, stream);
-  const Tensor workspace = at::empty({static_cast<std::int64_t>(bytes)},
-                                     at::TensorOptions().dtype(c10::kByte).device(call.device));
-  launch(cuda::DeviceContext{stream, status.word.data_ptr<std::int32_t>(), workspace.data_ptr(),
-                             bytes});
-  if (status.sync) check_status(status.word);
-}
-#endif
-
-void run([[maybe_unused]] const Call& call, const RerouteInputs& inputs,
-         const RerouteOutputs& outputs, const Attributes& attributes) {
-#if MOE_REROUTE_HAS_CUDA
-  if (call.device.is_cuda()) {
-    run_cuda(call, [&](const cuda::DeviceContext& context) {
-      cuda::moe_re_routing(inputs, outputs, attributes, context);
-    });
-    return;
+// Runs the call on its device's backend (call_device has found it).
+template <typename Inputs, typename Outputs>
+void run(const Call& call, const Inputs& inputs, const Outputs& outputs,
+         const Attributes& attributes) {
+  const Backend& backend = *backend_of(call.device.type());
+  if constexpr (std::is_same_v<Inputs, RerouteInputs>) {
+    backend.reroute(call, inputs, outputs, attributes);
+  } else {
+    backend.inverse(call, inputs, outputs, attributes);
   }
-#endif
-  moe_re_routing(inputs, outputs, attributes);
-}
-
-void run([[maybe_unused]] const Call& call, const InverseInputs& inputs,
-         const InverseOutputs& outputs, const Attributes& attributes) {
-#if MOE_REROUTE_HAS_CUDA
-  if (call.device.is_cuda()) {
-    run_cuda(call, [&](const cuda::DeviceContext& context) {
-      cuda::moe_re_routing_inverse(inputs, outputs, attributes, context);
-    });
-    return;
-  }
-#endif
-  moe_re_routing_inverse(inputs, outputs, attributes);
 }
 
 RerouteOutputs reroute_outputs(const Call& call, const Tensor& tokens, const Tensor& scales,
@@ -161,6 +126,23 @@ Inverse inverse(const Tensor& tokens, const Tensor& counts, const OptionalTensor
     if (call.weight) views.restored_topk_weight = call.output(out_weight, "restored_topk_weight");
     run(call, inputs, views, attributes);
     return outputs;
+  });
+}
+
+/// Reads and clears what every device backend found (a host sync each) and
+/// raises ValueError naming the argument when bad counts were seen since the
+/// last check.
+void cuda_check() { translated(check_backends); }
+
+/// Sets the device backends' status check ("deferred" or "sync") and returns
+/// the previous one.
+std::string set_cuda_status_check(c10::string_view mode) {
+  return translated([&] {
+    if (mode != "deferred" && mode != "sync") {
+      fail(ErrorCode::kInvalidArgument,
+           "mode: must be \"deferred\" or \"sync\"; got \"" + std::string(mode) + "\"");
+    }
+    return std::string(set_sync_checks(mode == "sync") ? "sync" : "deferred");
   });
 }
 
