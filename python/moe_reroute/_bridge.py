@@ -63,7 +63,25 @@ _KINDS = {"int": int, "bool": bool, "dtype_name": str}
 def attributes(op: str, values) -> tuple:
     """(the core's Attributes, tokens_dtype) from `values`, the attributes of
     `op` in its description's order, each type-checked (tokens_dtype: a str
-    or None)."""
+    or None). Calls repeat their attributes: those of recent calls are kept,
+    by value and type (True is not 1), and never changed once made."""
+    key = (op, values, tuple(map(type, values)))
+    try:
+        parsed = _PARSED.get(key)
+    except TypeError:  # an unhashable value, which _parsed refuses by name
+        return _parsed(op, values)
+    if parsed is None:
+        parsed = _parsed(op, values)
+        if len(_PARSED) >= 64:
+            _PARSED.clear()
+        _PARSED[key] = parsed
+    return parsed
+
+
+_PARSED = {}
+
+
+def _parsed(op: str, values) -> tuple:
     result, tokens_dtype = _core.Attributes(), None
     for (name, kind, _), value in zip(OPERATORS[op]["attributes"], values):
         if kind == "dtype_name":

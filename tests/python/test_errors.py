@@ -326,3 +326,17 @@ def test_numpy_attribute_past_int64_is_named(keyword, value):
     with pytest.raises(ValueError, match=f"^{keyword}: {value} does not fit in int64$"):
         moe_reroute.moe_re_routing(arguments.pop("tokens"),
                                    arguments.pop("expert_token_num_per_rank"), **{keyword: value})
+
+
+@pytest.mark.parametrize(("keyword", "good_value", "bad_value"), [
+    ("allow_spare_rows", True, 1), ("idx_type", 1, True), ("expert_alignment", 1, 1.0)])
+def test_numpy_attribute_of_the_wrong_type_is_refused_after_an_equal_good_one(keyword,
+                                                                              good_value,
+                                                                              bad_value):
+    """Parsed attributes are kept for the next call by value and type: True
+    == 1, but an earlier call with one does not let the other through."""
+    arguments = good()
+    tokens, counts = arguments.pop("tokens"), arguments.pop("expert_token_num_per_rank")
+    moe_reroute.moe_re_routing(tokens, counts, **{keyword: good_value})
+    with pytest.raises(TypeError, match=f"^{keyword}: expected "):
+        moe_reroute.moe_re_routing(tokens, counts, **{keyword: bad_value})
