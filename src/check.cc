@@ -123,16 +123,24 @@ void check_disjoint(std::span<const ByteSpan> inputs, std::span<const ByteSpan> 
     for (const ByteSpan& input : inputs) {
       if (detail::overlaps(outputs[i], input)) {
         detail::fail(ErrorCode::kInvalidArgument,
-             std::string(outputs[i].name) + ": overlaps input " + input.name);
+                     std::string(outputs[i].name) + ": overlaps input " + input.name);
       }
     }
     for (std::size_t j = 0; j < i; ++j) {
       if (detail::overlaps(outputs[i], outputs[j])) {
         detail::fail(ErrorCode::kInvalidArgument,
-             std::string(outputs[i].name) + ": overlaps output " + outputs[j].name);
+                     std::string(outputs[i].name) + ": overlaps output " + outputs[j].name);
       }
     }
   }
+}
+
+void check_disjoint(std::span<const ByteSpan> inputs, const RerouteOutputs& outputs) {
+  std::vector<ByteSpan> spans;
+  for (const detail::NamedView& output : detail::named_outputs(outputs)) {
+    spans.push_back(detail::span_of(output));
+  }
+  check_disjoint(inputs, spans);
 }
 
 void check_output_specs(const RerouteOutputSpecs& specs, const RerouteOutputs& outputs) {

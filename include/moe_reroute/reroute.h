@@ -207,6 +207,9 @@ struct ByteSpan {
 /// the run sees), to check the outputs against the caller's own memory.
 MOE_REROUTE_API void check_disjoint(std::span<const ByteSpan> inputs,
                                     std::span<const ByteSpan> outputs);
+/// The same for the forward's five outputs (non-null where they have bytes).
+MOE_REROUTE_API void check_disjoint(std::span<const ByteSpan> inputs,
+                                    const RerouteOutputs& outputs);
 
 /// Moves the bytes on the CPU. Throws Error, before writing anything, when the
 /// inputs differ from the planned specs or an output has the wrong spec or

@@ -110,13 +110,14 @@ for _name, _infer_op in ((_bridge.REROUTE, _core.infer_reroute),
 @torch.library.register_fake("moe_reroute::moe_re_routing_out")
 def _reroute_out_fake(tokens, expert_token_num_per_rank, *outputs_and_rest):
     # Every argument is checked as the kernel checks it before reading data.
-    outputs, rest = outputs_and_rest[:5], (*outputs_and_rest[5:], None, None)
-    inputs = (tokens, expert_token_num_per_rank, *rest[:2])
+    outputs, rest = outputs_and_rest[:5], outputs_and_rest[5:]
+    scales, weight = (*rest[:2], None, None)[:2]  # the dispatcher leaves out trailing defaults
+    inputs = (tokens, expert_token_num_per_rank, scales, weight)
     names = _bridge.OUTPUT_NAMES[_bridge.REROUTE]
     _core.check_reroute_out(
         [_describe(t, n) for t, n in zip(inputs, _bridge.INPUT_NAMES)],
         [_describe(t, n, output=True) for t, n in zip(outputs, names)],
-        *_attributes(_bridge.REROUTE, rest[2:-2]))
+        *_attributes(_bridge.REROUTE, rest[2:]))
     # Fake tensors alias as the traced ones do: refuse overlap here, as the kernel
     # would, since a functionalized graph hands the kernel copies of the outputs.
     given = [(n, t) for n, t in zip(_bridge.INPUT_NAMES, inputs) if t is not None]

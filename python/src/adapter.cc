@@ -1,8 +1,6 @@
 #include "adapter.h"
 
-#include <iterator>
 #include <limits>
-#include <vector>
 
 namespace moe_reroute::adapter {
 namespace {
@@ -128,16 +126,7 @@ ByteSpan strided_span(const char* name, const void* data, std::span<const std::i
 void check_out_against_copied(const RerouteOutputSpecs& specs, const RerouteOutputs& outputs,
                               std::span<const ByteSpan> copied_inputs) {
   check_output_specs(specs, outputs);
-  const TensorView* views[] = {&outputs.permute_tokens, &outputs.permute_per_token_scales,
-                               &outputs.permute_token_idx, &outputs.expert_token_num,
-                               &outputs.permute_topk_weight};
-  std::vector<ByteSpan> spans;
-  for (std::size_t i = 0; i < std::size(views); ++i) {
-    const auto begin = reinterpret_cast<std::uintptr_t>(views[i]->data);
-    spans.push_back({reroute_desc().outputs[i].name.data(), begin,
-                     begin + static_cast<std::uintptr_t>(views[i]->nbytes())});
-  }
-  check_disjoint(copied_inputs, spans);
+  check_disjoint(copied_inputs, outputs);
 }
 
 std::optional<std::string> scales_dtype(Storage scales) {

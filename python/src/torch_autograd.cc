@@ -151,10 +151,8 @@ class InverseBackward final : public ReorderBackward {
         },
         reroute_arguments(forward, tokens_dtype()));
     // The inverse's tail input rows, past the last padded segment end
-    // (cumsum[-1]): there are some with padding room (the forward's rows per
-    // expert) or spare rows.
-    const bool tail = attributes_.allow_spare_rows ||
-                      output_rows(reroute_desc(), 0, attributes_, true).per_expert != 0;
+    // (cumsum[-1]): there are some with padding room or spare rows.
+    const bool tail = pads(attributes_) || attributes_.allow_spare_rows;
     return input_gradients(std::move(tokens), std::move(scales), std::move(weight),
                            tail ? std::optional<Tensor>(cumsum[-1]) : std::nullopt);
   }

@@ -73,6 +73,8 @@ inline auto reroute_arguments(const Attributes& a, OptionalName tokens_dtype) {
 inline auto inverse_arguments(const Attributes& a, OptionalName tokens_dtype) {
   return std::tuple(tokens_dtype, a.expert_alignment, a.allow_spare_rows);
 }
+/// Whether the forward pads each expert's segment (docs/spec.md section 9).
+inline bool pads(const Attributes& a) { return a.expert_alignment > 1; }
 
 inline std::optional<std::string> name_of(const OptionalName& name) {
   if (!name) return std::nullopt;

@@ -80,7 +80,7 @@ ContextViews context_views(const DeviceContext& context, const TensorView& count
 // and the workspace as outputs too, then the counts' alignment.
 template <typename Inputs>
 void check_arguments(const moe_reroute::detail::Call& call, const Inputs& inputs,
-                             std::vector<NamedView> outputs, const DeviceContext& context) {
+                     std::vector<NamedView> outputs, const DeviceContext& context) {
   const ContextViews views = context_views(context, inputs.expert_token_num_per_rank);
   outputs.insert(outputs.end(), {{"status", &views.status}, {"workspace", &views.workspace}});
   std::vector<TensorSpec> output_specs(call.output_specs().begin(), call.output_specs().end());
