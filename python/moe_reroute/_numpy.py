@@ -1,6 +1,6 @@
 """NumPy arrays (ml_dtypes ones included) to the C++ core: each array goes as
-itself, its bytes read through the buffer protocol, plus its dtype's name and
-width, which the core's table reads; the core allocates the outputs by its
+itself, its bytes read through the buffer protocol and its dtype by its name
+and width, which the core's table reads; the core allocates the outputs by its
 own specs."""
 
 from __future__ import annotations
@@ -21,27 +21,6 @@ def check_array(array, name: str):
     return array
 
 
-# dtype -> (its name, its bits): numpy's dtype.name is built by Python code on
-# every access, a few us each.
-_STORAGE = {}
-
-
-def storage(dtype, name: str):
-    """(name, bits) of `dtype`; TypeError naming `name` for a width the core
-    has no storage for."""
-    info = _STORAGE.get(dtype)
-    if info is None:
-        if dtype.itemsize not in (1, 2, 4, 8) or dtype.hasobject:
-            raise TypeError(f"{name}: dtype {dtype.name} is not supported")
-        info = _STORAGE[dtype] = (dtype.name, 8 * dtype.itemsize)
-    return info
-
-
-def describe(array, name: str):
-    """(name, storage dtype name, bits, shape, array) of an ndarray."""
-    return (name, *storage(check_array(array, name).dtype, name), array.shape, array)
-
-
 def native(array):
     """`array` in C order and the machine's byte order, copied where it is not:
     the core reads counts as numbers, and allocates outputs in native order."""
@@ -51,34 +30,33 @@ def native(array):
 
 
 def inputs(arrays) -> list:
-    """The described inputs (the last two optional), copied to C order and
-    native byte order where they are not."""
-    return [None if a is None and i >= 2 else describe(native(check_array(a, name)), name)
+    """The inputs (the last two optional), copied to C order and native byte
+    order where they are not."""
+    return [None if a is None and i >= 2 else native(check_array(a, name))
             for i, (a, name) in enumerate(zip(arrays, _bridge.INPUT_NAMES))]
 
 
 def outputs(arrays, names) -> list:
-    """The described outputs, each writable and in native byte order."""
-    described = []
+    """The outputs, each checked writable and in native byte order."""
     for array, name in zip(arrays, names):
         if not check_array(array, name).dtype.isnative:
             raise TypeError(f"{name}: dtype {array.dtype.str} is not in native byte order")
         if not array.flags.writeable:
             raise ValueError(f"{name}: is read-only")
-        described.append(describe(array, name))
-    return described
+    return arrays
 
 
 def reroute(arrays, attributes, tokens_dtype, out):
-    """The forward into `out` (checked, described) or, without it, into fresh
-    arrays that the core allocates by its own specs."""
-    described = inputs(arrays)
-    copied = []
+    """The forward into `out` (checked) or, without it, into fresh arrays that
+    the core allocates by its own specs."""
+    given = inputs(arrays)
+    copied = {}
     if out is not None:
         out = outputs(out, _bridge.OUTPUT_NAMES[_bridge.REROUTE])
         # The caller's own arrays where the core gets copies: out= must not overlap them.
-        copied = [(d[0], a) for a, d in zip(arrays, described) if d is not None and d[4] is not a]
-    return _core.reroute(described, out, copied, attributes, tokens_dtype)
+        copied = {name: a for a, g, name in zip(arrays, given, _bridge.INPUT_NAMES)
+                  if g is not a}
+    return _core.reroute(given, out, copied, attributes, tokens_dtype)
 
 
 def inverse(arrays, attributes, tokens_dtype):

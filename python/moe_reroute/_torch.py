@@ -57,9 +57,9 @@ def _describe(tensor, name: str, output: bool = False):
     output must be contiguous: the kernel copies inputs."""
     if tensor is None:
         return None
-    return (name, str(tensor.dtype).removeprefix("torch."), 8 * tensor.element_size(),
-            [_hint(size) for size in tensor.shape], None, str(tensor.device),
-            tensor.is_contiguous() if output else True)
+    return _core.Argument(name, str(tensor.dtype).removeprefix("torch."),
+                          8 * tensor.element_size(), [_hint(size) for size in tensor.shape],
+                          str(tensor.device), tensor.is_contiguous() if output else True)
 
 
 def _attributes(op: str, values) -> tuple:
@@ -82,14 +82,16 @@ def _fake(infer, tensors, attributes) -> tuple:
     dims), or as its spec, as the C++ kernel allocates it."""
     tokens, counts = tensors[0], tensors[1]
     outputs = []
-    for dtype_name, shape, stored_like, (per_row, per_expert) in _infer(infer, tensors, attributes):
-        rows = per_row * tokens.shape[0] + per_expert * counts.shape[1] if shape else None
-        source = tensors[stored_like] if stored_like is not None else None
+    for spec in _infer(infer, tensors, attributes):
+        rows = (spec.rows_per_input_row * tokens.shape[0]
+                + spec.rows_per_expert * counts.shape[1]) if spec.shape else None
+        source = tensors[spec.stored_like] if spec.stored_like is not None else None
         if source is not None:
             outputs.append(source.new_empty([rows, *source.shape[1:]]))
         else:
-            dtype = getattr(torch, _bridge.row(dtype_name)["torch_name"])
-            outputs.append(tokens.new_empty([rows, *shape[1:]] if shape else [], dtype=dtype))
+            dtype = getattr(torch, _bridge.row(spec.dtype)["torch_name"])
+            outputs.append(tokens.new_empty([rows, *spec.shape[1:]] if spec.shape else [],
+                                            dtype=dtype))
     return tuple(outputs)
 
 
@@ -129,9 +131,9 @@ _STORAGE_BYTES = 1 << 52  # apart: more than any tensor's storage holds
 
 
 def _strided(named) -> list:
-    """Each (name, tensor) as (name, address, dims, strides, element bytes) by
-    size hints, its address its place in its storage, the storages laid
-    _STORAGE_BYTES apart and tensors that alias one another in the same one."""
+    """Each (name, tensor) as a Strided by size hints, its address its place
+    in its storage, the storages laid _STORAGE_BYTES apart and tensors that
+    alias one another in the same one."""
     storages, described = [], []
     for name, tensor in named:
         storage = next((i for i, other in enumerate(storages)
@@ -141,8 +143,8 @@ def _strided(named) -> list:
             storages.append(tensor)
         item = tensor.element_size()
         address = storage * _STORAGE_BYTES + _hint(tensor.storage_offset()) * item
-        described.append((name, address, [_hint(s) for s in tensor.shape],
-                          [_hint(s) for s in tensor.stride()], item))
+        described.append(_core.Strided(name, address, [_hint(s) for s in tensor.shape],
+                                       [_hint(s) for s in tensor.stride()], item))
     return described
 
 

@@ -12,6 +12,9 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "adapter.h"
@@ -44,18 +47,22 @@ Buffer buffer_of(nb::handle array, bool writable) {
   return Buffer(view.release());
 }
 
-// An argument as the Python layer hands it over: None, or (name, storage
-// dtype name, storage bits, shape, data) where data is the NumPy array itself,
-// or None for shape inference alone; the torch fake kernels add the tensor's
-// device and whether it is contiguous: (..., None, device, contiguous).
-struct Arg {
+// A tensor's metadata alone (the bound class Argument), which the torch fake
+// kernels describe for the shape rules: no data, a device and a layout.
+struct Argument {
   std::string name;
-  std::string storage;
+  std::string storage;  // the storage dtype's name, as the framework spells it
   int bits = 0;
   std::vector<std::int64_t> shape;
-  Buffer data;
-  std::optional<std::string> device;  // a framework's name ("cpu", "cuda:0"), where described
-  bool contiguous = true;             // of a described tensor without data
+  std::optional<std::string> device;  // a framework's name ("cpu", "cuda:0")
+  bool contiguous = true;
+};
+
+// One argument of a call: an Argument, or a NumPy array described by its
+// dtype and shape, its bytes held while the call reads them.
+struct Arg : Argument {
+  nb::object array;
+  Buffer buffer;
 };
 
 void check_contiguous(const Py_buffer& view, const std::string& name) {
@@ -67,18 +74,40 @@ void check_contiguous(const Py_buffer& view, const std::string& name) {
   }
 }
 
-// `writable`: the argument is an output.
-std::optional<Arg> arg_of(nb::handle object, bool writable) {
-  if (object.is_none()) return std::nullopt;
-  const nb::tuple fields = nb::cast<nb::tuple>(object);
-  Arg arg{nb::cast<std::string>(fields[0]), nb::cast<std::string>(fields[1]),
-          nb::cast<int>(fields[2]), nb::cast<std::vector<std::int64_t>>(fields[3]), nullptr,
-          std::nullopt, true};
-  if (!fields[4].is_none()) arg.data = buffer_of(fields[4], writable);
-  if (fields.size() == 7) {
-    arg.device = nb::cast<std::string>(fields[5]);
-    arg.contiguous = nb::cast<bool>(fields[6]);
+// (name, bits) of a NumPy dtype, looked up once per dtype object: numpy's
+// dtype.name is Python code, a few us a call. The cached dtypes are kept
+// alive, since their addresses are the keys, and never released: a static
+// Python object must not outlive the interpreter.
+std::pair<std::string, int> numpy_storage(nb::handle dtype, std::string_view arg) {
+  static auto& cache = *new std::unordered_map<PyObject*, std::pair<std::string, int>>();
+  if (const auto found = cache.find(dtype.ptr()); found != cache.end()) return found->second;
+  const auto bytes = nb::cast<int>(dtype.attr("itemsize"));
+  std::pair<std::string, int> storage{nb::cast<std::string>(dtype.attr("name")), 8 * bytes};
+  if ((bytes != 1 && bytes != 2 && bytes != 4 && bytes != 8) ||
+      nb::cast<bool>(dtype.attr("hasobject"))) {
+    fail(ErrorCode::kUnsupported,
+         std::string(arg) + ": dtype " + storage.first + " is not supported");
   }
+  if (cache.size() >= 64) {  // a program making dtypes: keep a few
+    for (const auto& [kept, _] : cache) Py_DECREF(kept);
+    cache.clear();
+  }
+  cache.emplace(dtype.inc_ref().ptr(), storage);
+  return storage;
+}
+
+// Argument `name` of a call: None, an Argument, or a NumPy array
+// (`writable`: an output).
+std::optional<Arg> arg_of(nb::handle object, std::string_view name, bool writable) {
+  if (object.is_none()) return std::nullopt;
+  if (nb::isinstance<Argument>(object)) return Arg{{nb::cast<const Argument&>(object)}, {}, {}};
+  Arg arg;
+  arg.name = name;
+  std::tie(arg.storage, arg.bits) = numpy_storage(object.attr("dtype"), name);
+  arg.array = nb::borrow(object);
+  arg.buffer = buffer_of(object, writable);
+  const Py_buffer& view = *arg.buffer;
+  arg.shape.assign(view.shape, view.shape + view.ndim);
   return arg;
 }
 
@@ -92,9 +121,9 @@ adapter::Storage storage(const Arg& arg) {
 TensorView view(const Arg& arg, const std::optional<std::string>& device,
                 const std::optional<std::string>& logical, const char* logical_arg) {
   if (device && arg.device && *arg.device != *device) adapter::fail_device(arg.name, *device);
-  if (arg.data) check_contiguous(*arg.data, arg.name);
+  if (arg.buffer) check_contiguous(*arg.buffer, arg.name);
   if (!arg.contiguous) adapter::fail_not_contiguous(arg.name);
-  return adapter::core_view(arg.data ? arg.data->buf : nullptr, storage(arg), arg.shape,
+  return adapter::core_view(arg.buffer ? arg.buffer->buf : nullptr, storage(arg), arg.shape,
                             arg.name.c_str(), logical, logical_arg);
 }
 
@@ -104,13 +133,15 @@ struct Inputs {
   std::optional<std::string> tokens_dtype;
   std::optional<std::string> scales_dtype;
 
-  Inputs(const nb::sequence& inputs, const std::optional<std::string>& tokens_name) {
-    for (nb::handle item : inputs) args.push_back(arg_of(item, /*writable=*/false));
-    if (args.size() != 4) {
+  Inputs(const nb::sequence& inputs, const OperatorDesc& op,
+         const std::optional<std::string>& tokens_name) {
+    if (nb::len(inputs) != op.inputs.size()) {
       fail(ErrorCode::kInvalidArgument, "inputs: expected (tokens, counts, scales, weight)");
     }
-    if (!args[0]) adapter::fail_none("tokens");
-    if (!args[1]) adapter::fail_none("expert_token_num_per_rank");
+    for (const InputDesc& input : op.inputs) {
+      args.push_back(arg_of(inputs[args.size()], input.name, /*writable=*/false));
+      if (!input.optional && !args.back()) adapter::fail_none(input.name);
+    }
     tokens_dtype = tokens_name;
     if (args[2]) scales_dtype = adapter::scales_dtype(storage(*args[2]));
   }
@@ -130,40 +161,47 @@ struct Inputs {
   }
 };
 
-// (dtype name, shape, the index of the input it is stored like or None, its
-// rows formula (per input row, per expert)) of each output spec of `op`: what
-// the torch fake kernels allocate by.
+// An output as the torch fake kernels allocate it (the bound class
+// OutputSpec): its spec's dtype and shape, the input it is stored like, and
+// its rows as a formula in the tokens' rows and E.
+struct OutputSpec {
+  std::string dtype;
+  std::vector<std::int64_t> shape;
+  std::optional<int> stored_like;  // the input's index
+  RowsFormula rows;
+};
+
 template <std::size_t N>
-nb::list specs_list(const std::array<TensorSpec, N>& specs, const OperatorDesc& op,
-                    const Attributes& attributes, const Inputs& call) {
-  nb::list list;
+std::vector<OutputSpec> output_spec_list(const std::array<TensorSpec, N>& specs,
+                                         const OperatorDesc& op, const Attributes& attributes,
+                                         const Inputs& call) {
+  std::vector<OutputSpec> list;
   for (std::size_t i = 0; i < N; ++i) {
     const Shape& shape = specs[i].shape;
+    OutputSpec& spec = list.emplace_back();
+    spec.dtype = dtype_name(specs[i].dtype);
+    spec.shape.assign(shape.dims.begin(), shape.dims.begin() + shape.ndim);
     const int like = op.outputs[i].stored_like;
-    nb::object input = nb::none();
-    if (like != kOwnSpec) input = nb::int_(like);
-    const RowsFormula rows =
-        output_rows(op, i, attributes, like != kOwnSpec && call.args[like].has_value());
-    list.append(nb::make_tuple(
-        std::string(dtype_name(specs[i].dtype)),
-        std::vector<std::int64_t>(shape.dims.begin(), shape.dims.begin() + shape.ndim), input,
-        nb::make_tuple(rows.per_input_row, rows.per_expert)));
+    if (like != kOwnSpec) spec.stored_like = like;
+    spec.rows = output_rows(op, i, attributes, like != kOwnSpec && call.args[like].has_value());
   }
   return list;
 }
 
-nb::list infer_forward(const nb::sequence& inputs, const Attributes& attributes,
+std::vector<OutputSpec> infer_forward(const nb::sequence& inputs, const Attributes& attributes,
                        const std::optional<std::string>& tokens_dtype) {
-  const Inputs call(inputs, tokens_dtype);
-  return specs_list(adapter::output_specs(infer_reroute(call.views<RerouteInputs>(), attributes)),
-                    reroute_desc(), attributes, call);
+  const Inputs call(inputs, reroute_desc(), tokens_dtype);
+  return output_spec_list(
+      adapter::output_specs(infer_reroute(call.views<RerouteInputs>(), attributes)),
+      reroute_desc(), attributes, call);
 }
 
-nb::list infer_backward(const nb::sequence& inputs, const Attributes& attributes,
+std::vector<OutputSpec> infer_backward(const nb::sequence& inputs, const Attributes& attributes,
                         const std::optional<std::string>& tokens_dtype) {
-  const Inputs call(inputs, tokens_dtype);
-  return specs_list(adapter::output_specs(infer_inverse(call.views<InverseInputs>(), attributes)),
-                    inverse_desc(), attributes, call);
+  const Inputs call(inputs, inverse_desc(), tokens_dtype);
+  return output_spec_list(
+      adapter::output_specs(infer_inverse(call.views<InverseInputs>(), attributes)),
+      inverse_desc(), attributes, call);
 }
 
 // numpy.empty, looked up once and never released: a static Python object
@@ -195,10 +233,11 @@ struct OutputArrays {
   OutputArrays(const nb::sequence& outputs, const OperatorDesc& op) {
     const std::size_t n = op.outputs.size();
     for (nb::handle item : outputs) {
-      std::optional<Arg> arg = arg_of(item, /*writable=*/true);
-      if (!arg) adapter::fail_none(args.size() < n ? op.outputs[args.size()].name : "out");
+      const std::string_view name = args.size() < n ? op.outputs[args.size()].name : "out";
+      std::optional<Arg> arg = arg_of(item, name, /*writable=*/true);
+      if (!arg) adapter::fail_none(name);
       args.push_back(std::move(*arg));
-      arrays.append(nb::cast<nb::tuple>(item)[4]);
+      arrays.append(item);
     }
     if (args.size() != n) {
       fail(ErrorCode::kInvalidArgument, "out: expected " + std::to_string(n) + " outputs, got " +
@@ -216,7 +255,7 @@ struct OutputArrays {
       arg.bits = input->bits;
       const Shape shape = adapter::stored_like(spec, input->shape);
       arg.shape.assign(shape.dims.begin(), shape.dims.begin() + shape.ndim);
-      dtype = nb::handle(input->data->obj).attr("dtype");
+      dtype = input->array.attr("dtype");
     } else {
       const DTypeInfo& info = dtype_info(spec.dtype);
       arg.storage = info.name;
@@ -226,7 +265,8 @@ struct OutputArrays {
     }
     const nb::object array = numpy_empty()(nb::cast(arg.shape), dtype);
     arrays.append(array);
-    arg.data = buffer_of(array, /*writable=*/true);
+    arg.array = array;
+    arg.buffer = buffer_of(array, /*writable=*/true);
   }
 };
 
@@ -255,23 +295,23 @@ RerouteOutputs forward_views(const Inputs& call, const std::vector<Arg>& args) {
 void check_forward_out(const nb::sequence& inputs, const nb::sequence& outputs,
                        const Attributes& attributes,
                        const std::optional<std::string>& tokens_dtype) {
-  const Inputs call(inputs, tokens_dtype);
+  const Inputs call(inputs, reroute_desc(), tokens_dtype);
   const RerouteInputs views = call.views<RerouteInputs>();
   const OutputArrays out(outputs, reroute_desc());
   const RerouteOutputs out_views = forward_views(call, out.args);
   check_output_specs(infer_reroute(views, attributes), out_views);
 }
 
-// The memory of each (name, array) in `copied`: the caller's inputs that the
-// Python layer copied to C order or native byte order.
-std::vector<ByteSpan> copied_spans(const nb::sequence& copied, std::vector<std::string>& names) {
+// The memory of each array in `copied` (by the argument's name): the caller's
+// inputs that the Python layer copied to C order or native byte order.
+std::vector<ByteSpan> copied_spans(const nb::dict& copied, std::vector<std::string>& names) {
   static_assert(sizeof(Py_ssize_t) == sizeof(std::int64_t));
   std::vector<ByteSpan> spans;
-  for (nb::handle item : copied) names.push_back(nb::cast<std::string>(item[0]));
-  for (std::size_t i = 0; i < names.size(); ++i) {
-    const Buffer buffer = buffer_of(copied[i][1], /*writable=*/false);
+  for (auto [name, array] : copied) names.push_back(nb::cast<std::string>(name));
+  for (auto [name, array] : copied) {
+    const Buffer buffer = buffer_of(array, /*writable=*/false);
     const Py_buffer& view = *buffer;
-    spans.push_back(adapter::strided_span(names[i].c_str(), view.buf,
+    spans.push_back(adapter::strided_span(names[spans.size()].c_str(), view.buf,
                                           {reinterpret_cast<const std::int64_t*>(view.shape),
                                            static_cast<std::size_t>(view.ndim)},
                                           {reinterpret_cast<const std::int64_t*>(view.strides),
@@ -282,9 +322,9 @@ std::vector<ByteSpan> copied_spans(const nb::sequence& copied, std::vector<std::
 }
 
 nb::tuple run_forward(const nb::sequence& inputs, const std::optional<nb::sequence>& outputs,
-                      const nb::sequence& copied, const Attributes& attributes,
+                      const nb::dict& copied, const Attributes& attributes,
                       const std::optional<std::string>& tokens_dtype, int num_threads) {
-  const Inputs call(inputs, tokens_dtype);
+  const Inputs call(inputs, reroute_desc(), tokens_dtype);
   const RerouteInputs views = call.views<RerouteInputs>();
   const OutputArrays out = forward_outputs(outputs, call, views, attributes);
   const RerouteOutputs out_views = forward_views(call, out.args);
@@ -302,7 +342,7 @@ nb::tuple run_forward(const nb::sequence& inputs, const std::optional<nb::sequen
 
 nb::tuple run_backward(const nb::sequence& inputs, const Attributes& attributes,
                        const std::optional<std::string>& tokens_dtype, int num_threads) {
-  const Inputs call(inputs, tokens_dtype);
+  const Inputs call(inputs, inverse_desc(), tokens_dtype);
   const InverseInputs views = call.views<InverseInputs>();
   const OutputArrays out(adapter::output_specs(infer_inverse(views, attributes)),
                          inverse_desc(), call);
@@ -320,28 +360,29 @@ nb::tuple run_backward(const nb::sequence& inputs, const Attributes& attributes,
   return nb::tuple(out.arrays);
 }
 
-// check_disjoint on arrays described as (name, address, dims, strides in
-// elements, element bytes).
-void check_strided(const nb::sequence& inputs, const nb::sequence& outputs) {
-  std::vector<std::string> names;
-  std::vector<ByteSpan> spans;
-  for (const nb::sequence* side : {&inputs, &outputs}) {
-    for (nb::handle item : *side) names.push_back(nb::cast<std::string>(item[0]));
+// A strided array as its memory is laid out (the bound class Strided): its
+// address, dims, strides in elements and element bytes.
+struct Strided {
+  std::string name;
+  std::uintptr_t address = 0;
+  std::vector<std::int64_t> dims;
+  std::vector<std::int64_t> strides;
+  std::int64_t item_bytes = 0;
+
+  ByteSpan span() const {
+    return adapter::strided_span(name.c_str(), reinterpret_cast<const void*>(address), dims,
+                                 strides, item_bytes, item_bytes);
   }
-  std::size_t i = 0;
-  for (const nb::sequence* side : {&inputs, &outputs}) {
-    for (nb::handle item : *side) {
-      const auto dims = nb::cast<std::vector<std::int64_t>>(item[2]);
-      const auto strides = nb::cast<std::vector<std::int64_t>>(item[3]);
-      const auto item_bytes = nb::cast<std::int64_t>(item[4]);
-      const auto address = reinterpret_cast<const void*>(nb::cast<std::uintptr_t>(item[1]));
-      spans.push_back(adapter::strided_span(names[i++].c_str(), address, dims, strides,
-                                            item_bytes, item_bytes));
-    }
+};
+
+void check_strided(const std::vector<const Strided*>& inputs,
+                   const std::vector<const Strided*>& outputs) {
+  std::vector<ByteSpan> spans;
+  for (const auto* side : {&inputs, &outputs}) {
+    for (const Strided* array : *side) spans.push_back(array->span());
   }
   const std::span<const ByteSpan> all(spans);
-  const std::size_t num_inputs = nb::len(inputs);
-  check_disjoint(all.first(num_inputs), all.subspan(num_inputs));
+  check_disjoint(all.first(inputs.size()), all.subspan(inputs.size()));
 }
 
 // Attributes as a class with one property per attribute the descriptions name.
@@ -440,15 +481,43 @@ NB_MODULE(_core, m) {
   bind_attributes(m);
   m.attr("OPERATORS") = operators();
 
-  // Each argument: None or (name, storage dtype name, storage bits, shape, array or None).
+  nb::class_<Argument>(m, "Argument",
+                       "A tensor's metadata, which the shape rules read: its name, storage "
+                       "dtype name and bits, shape, device and whether it is contiguous.")
+      .def(nb::init<std::string, std::string, int, std::vector<std::int64_t>,
+                    std::optional<std::string>, bool>(),
+           nb::arg("name"), nb::arg("storage"), nb::arg("bits"), nb::arg("shape"),
+           nb::arg("device").none(), nb::arg("contiguous"))
+      .def_ro("name", &Argument::name)
+      .def_ro("storage", &Argument::storage)
+      .def_ro("bits", &Argument::bits)
+      .def_ro("shape", &Argument::shape)
+      .def_ro("device", &Argument::device)
+      .def_ro("contiguous", &Argument::contiguous);
+  nb::class_<OutputSpec>(m, "OutputSpec",
+                         "An output's spec as a framework allocates it: dtype, shape, the "
+                         "index of the input it is stored like (or None), and its rows as "
+                         "rows_per_input_row * (tokens' rows) + rows_per_expert * E.")
+      .def_ro("dtype", &OutputSpec::dtype)
+      .def_ro("shape", &OutputSpec::shape)
+      .def_ro("stored_like", &OutputSpec::stored_like)
+      .def_prop_ro("rows_per_input_row", [](const OutputSpec& o) { return o.rows.per_input_row; })
+      .def_prop_ro("rows_per_expert", [](const OutputSpec& o) { return o.rows.per_expert; });
+  nb::class_<Strided>(m, "Strided",
+                      "An array's memory: its address, dims, strides in elements and "
+                      "element bytes.")
+      .def(nb::init<std::string, std::uintptr_t, std::vector<std::int64_t>,
+                    std::vector<std::int64_t>, std::int64_t>(),
+           nb::arg("name"), nb::arg("address"), nb::arg("dims"), nb::arg("strides"),
+           nb::arg("item_bytes"));
+
   m.def("infer_reroute", &infer_forward, nb::arg("inputs"), nb::arg("attributes"),
         nb::arg("tokens_dtype").none(),
-        "The five output specs [(dtype name, logical shape, the index of the input it is "
-        "stored like or None, (rows per input row, rows per expert))] of the forward for "
-        "inputs (tokens, counts, scales, weight); the core's infer_reroute and output_rows.");
+        "The five OutputSpecs of the forward for the Arguments (tokens, counts, scales, "
+        "weight), None where absent; the core's infer_reroute and output_rows.");
   m.def("infer_inverse", &infer_backward, nb::arg("inputs"), nb::arg("attributes"),
         nb::arg("tokens_dtype").none(),
-        "The three output specs of the inverse (an absent output: float32 (0,)).");
+        "The three OutputSpecs of the inverse (an absent output: float32 (0,)).");
   m.def("check_reroute_out", &check_forward_out, nb::arg("inputs"), nb::arg("outputs"),
         nb::arg("attributes"), nb::arg("tokens_dtype").none(),
         "Refuses an out= call from its described arguments (no data) as the torch kernel "
@@ -457,7 +526,7 @@ NB_MODULE(_core, m) {
   m.def("reroute", &run_forward, nb::arg("inputs"), nb::arg("outputs").none(), nb::arg("copied"),
         nb::arg("attributes"), nb::arg("tokens_dtype").none(), nb::arg("num_threads") = 0,
         "Runs the forward on the CPU into the five outputs (None: fresh NumPy arrays) and "
-        "returns them; writes nothing when it raises. copied: [(name, array)] of the "
+        "returns them; writes nothing when it raises. copied: {name: array} of the "
         "caller's inputs that `inputs` holds copies of, which outputs must not overlap.");
   m.def("inverse", &run_backward, nb::arg("inputs"), nb::arg("attributes"),
         nb::arg("tokens_dtype").none(), nb::arg("num_threads") = 0,
@@ -465,7 +534,7 @@ NB_MODULE(_core, m) {
         "output: float32 (0,)).");
   m.def("check_disjoint", &check_strided, nb::arg("inputs"), nb::arg("outputs"),
         "Refuses an output overlapping an input or an earlier output (docs/spec.md rule 10), "
-        "each described as (name, address, dims, strides in elements, element bytes).");
+        "each a Strided.");
   m.def("dtype_table", &table,
         "The dtype table: one dict per dtype (name, bits, npy_storage, torch_name and "
         "the token / scale / count roles).");
