@@ -51,6 +51,14 @@ void for_each_count(const TensorView& counts, std::size_t size, const Body& body
   }
 }
 
+/// Throws Error for num_threads < 0 (0: all hardware threads).
+inline void check_num_threads(int num_threads) {
+  if (num_threads < 0) {
+    fail(ErrorCode::kInvalidArgument,
+         "num_threads: must be >= 0 (0 = all hardware threads), got " + std::to_string(num_threads));
+  }
+}
+
 /// Bytes of `spec`; throws Error naming `name` for a negative dim or a size
 /// past int64.
 MOE_REROUTE_API std::int64_t checked_nbytes(const TensorSpec& spec, const char* name);

@@ -47,6 +47,58 @@ const AttributeDesc kRerouteAttributes[] = {kExpertTokenNumType, kIdxType, kToke
                                             kExpertAlignment, kAllowSpareRows};
 const AttributeDesc kInverseAttributes[] = {kTokensDType, kExpertAlignment, kAllowSpareRows};
 
+// moe_init_routing: (x, expert_idx) in, its outputs stored as their specs.
+constexpr InputDesc kInitInputs[] = {{"x"}, {"expert_idx"}};
+constexpr int kX = 0, kExpertIdx = 1;
+constexpr OutputDesc kInitOutputs[] = {
+    {"expanded_x", kX},
+    {"expanded_row_idx"},
+    {"expert_tokens_count_or_cumsum"},
+    {"expert_tokens_before_capacity"},
+};
+
+using InitAttribute = AttributeDescOf<InitRoutingAttributes>;
+const InitAttribute kInitAttributes[] = {
+    {"active_num", AttributeKind::kInt, 0, &InitRoutingAttributes::active_num, nullptr,
+     "rows of expanded_x in drop_pad_mode 0 (0: T * k)"},
+    {"expert_capacity", AttributeKind::kInt, 0, &InitRoutingAttributes::expert_capacity, nullptr,
+     "C: rows per expert in drop_pad_mode 1"},
+    {"expert_num", AttributeKind::kInt, 0, &InitRoutingAttributes::expert_num, nullptr,
+     "E: the ids are in [0, E) (0: unbounded, drop_pad_mode 0 without counts)"},
+    {"drop_pad_mode", AttributeKind::kInt, kDropless, &InitRoutingAttributes::drop_pad_mode,
+     nullptr, "0 = dropless, 1 = by expert capacity (drops, pads)"},
+    {"expert_tokens_count_or_cumsum_flag", AttributeKind::kInt, kExpertTokensNone,
+     &InitRoutingAttributes::expert_tokens_count_or_cumsum_flag, nullptr,
+     "0 = none, 1 = cumsum, 2 = count of each expert (drop_pad_mode 0)"},
+    {"expert_tokens_before_capacity_flag", AttributeKind::kBool, 0, nullptr,
+     &InitRoutingAttributes::expert_tokens_before_capacity_flag,
+     "the counts of each expert before dropping (drop_pad_mode 1)"},
+};
+
+// moe_finalize_routing: the optional inputs' indices are what output_dims reads.
+constexpr InputDesc kFinalizeInputs[] = {
+    {"expanded_x"},
+    {"expanded_row_idx"},
+    {"x1", /*optional=*/true},
+    {"x2", /*optional=*/true},
+    {"bias", /*optional=*/true},
+    {"scales", /*optional=*/true},
+    {"expert_idx", /*optional=*/true},
+};
+constexpr int kExpandedX = 0, kRowIdx = 1, kX1 = 2, kScalesIn = 5;
+constexpr OutputDesc kFinalizeOutputs[] = {{"out", kExpandedX}};
+
+using FinalizeAttribute = AttributeDescOf<FinalizeRoutingAttributes>;
+const FinalizeAttribute kFinalizeAttributes[] = {
+    {"drop_pad_mode", AttributeKind::kInt, kFinalizeColumnMajor,
+     &FinalizeRoutingAttributes::drop_pad_mode, nullptr,
+     "expanded_row_idx[j * T + t] (0, 1) or [t * k + j] (2, 3); expanded_x [T * k, H] (0, 2) "
+     "or [E, C, H] (1, 3)"},
+};
+
+DimFormula dim_of(InputDim a) { return {{DimTerm{1, {a}, 1}}, 1}; }
+DimFormula dim_of(std::int64_t value) { return {{DimTerm{value, {}, 0}}, 1}; }
+
 }  // namespace
 
 RowsFormula output_rows(const OperatorDesc& op, std::size_t output, const Attributes& attributes,
@@ -65,6 +117,54 @@ RowsFormula output_rows(const OperatorDesc& op, std::size_t output, const Attrib
       return {0, 1};
   }
   return rows;
+}
+
+std::vector<DimFormula> output_dims(const InitRoutingDesc&, std::size_t output,
+                                    const InitRoutingAttributes& attributes,
+                                    std::span<const bool>) {
+  const bool capacity = attributes.drop_pad_mode == kDropPad;
+  const std::int64_t experts = attributes.expert_num;
+  const DimFormula positions{{DimTerm{1, {InputDim{kExpertIdx, 0}, InputDim{kExpertIdx, 1}}, 2}},
+                             1};
+  switch (output) {
+    case 0: {  // expanded_x
+      if (capacity) {
+        return {dim_of(experts), dim_of(attributes.expert_capacity), dim_of({kX, 1})};
+      }
+      DimFormula rows = positions;
+      if (attributes.active_num > 0) rows.at_most = attributes.active_num;
+      return {rows, dim_of({kX, 1})};
+    }
+    case 1:
+      return {positions};
+    case 2:
+      return {dim_of(!capacity && attributes.expert_tokens_count_or_cumsum_flag != kExpertTokensNone
+                         ? experts
+                         : 0)};
+    default:
+      return {dim_of(capacity && attributes.expert_tokens_before_capacity_flag ? experts : 0)};
+  }
+}
+
+std::vector<DimFormula> output_dims(const FinalizeRoutingDesc&, std::size_t,
+                                    const FinalizeRoutingAttributes&, std::span<const bool> given) {
+  // T: x1's rows, else the scales' (k of them a token), else expanded_row_idx's (k = 1).
+  const InputDim tokens = given[kX1]        ? InputDim{kX1, 0}
+                          : given[kScalesIn] ? InputDim{kScalesIn, 0}
+                                             : InputDim{kRowIdx, 0};
+  return {dim_of(tokens), dim_of({kExpandedX, -1})};
+}
+
+const InitRoutingDesc& init_routing_desc() {
+  static const InitRoutingDesc desc{"moe_init_routing", kInitInputs, kInitOutputs,
+                                    kInitAttributes};
+  return desc;
+}
+
+const FinalizeRoutingDesc& finalize_routing_desc() {
+  static const FinalizeRoutingDesc desc{"moe_finalize_routing", kFinalizeInputs,
+                                        kFinalizeOutputs, kFinalizeAttributes};
+  return desc;
 }
 
 const OperatorDesc& reroute_desc() {

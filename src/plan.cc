@@ -273,11 +273,7 @@ void read_counts(const TensorView& counts, std::int64_t num_tokens, std::int64_t
 namespace detail {
 
 void PlanBuilder::make(Plan& plan, const Call& call, const TensorView& counts, int num_threads) {
-  if (num_threads < 0) {
-    fail(ErrorCode::kInvalidArgument,
-         "num_threads: must be >= 0 (0 = all hardware threads), got " +
-             std::to_string(num_threads));
-  }
+  check_num_threads(num_threads);
   plan.direction_ = call.direction;
   plan.attributes_ = call.attributes;
   plan.num_tokens_ = call.num_tokens;

@@ -2,11 +2,6 @@
 // weight rows (zeros for pad rows) and writes the matching index entries. No
 // dtype dispatch: rows are bytes.
 
-#include <omp.h>
-#include <pthread.h>
-#include <unistd.h>
-
-#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -16,6 +11,7 @@
 
 #include "../check.h"
 #include "copy.h"
+#include "parallel.h"
 #include "moe_reroute/reroute.h"
 
 namespace moe_reroute {
@@ -61,11 +57,6 @@ struct RowStream {
 
 void* data_of(const std::optional<TensorView>& view) { return view ? view->data : nullptr; }
 
-// Whether this process is a fork() child of one that had run a parallel
-// region: GNU OpenMP's next region hangs there (the team's threads were not
-// forked), so such a child runs every slice on its one thread.
-std::atomic<bool> forked_after_parallel{false};
-
 // Runs `body(chunks)` on each thread's planned slice of the chunks.
 template <typename Body>
 void for_each_slice(const Plan& plan, const Body& body) {
@@ -78,17 +69,7 @@ void for_each_slice(const Plan& plan, const Body& body) {
         static_cast<std::size_t>(thread_begin[t + 1] - thread_begin[t])));
     detail::stream_fence();
   };
-  // One thread runs here: libgomp's region costs a futex syscall even for a
-  // team of one (an `if` clause keeps the region).
-  if (num_threads == 1 || forked_after_parallel.load(std::memory_order_relaxed)) {
-    for (int t = 0; t < num_threads; ++t) slice(t);
-    return;
-  }
-  // Registered by the first region: a child forked before it can use OpenMP.
-  [[maybe_unused]] static const int registered =
-      pthread_atfork(nullptr, nullptr, [] { forked_after_parallel.store(true); });
-#pragma omp parallel for num_threads(num_threads) schedule(static, 1)
-  for (int t = 0; t < num_threads; ++t) slice(t);
+  detail::run_threads(num_threads, slice);
 }
 
 void check_direction(const Plan& plan, Direction direction) {

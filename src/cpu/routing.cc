@@ -1,0 +1,212 @@
+// The CPU backend of moe_init_routing (a gather of rows, as bytes) and
+// moe_finalize_routing (each token's k rows summed in float32, in the
+// original's order of operations; this file is compiled without contraction
+// into fused multiply-adds, so every step rounds on its own).
+
+#include <algorithm>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "../check.h"
+#include "../routing.h"
+#include "copy.h"
+#include "moe_reroute/reroute.h"
+#include "parallel.h"
+
+namespace moe_reroute::detail::cpu {
+namespace {
+
+// Threads for `bytes` of work: a thread is worth its start-up past about 256 KiB.
+int threads_for(std::int64_t bytes, int num_threads) {
+  const std::int64_t requested = num_threads > 0 ? num_threads : hardware_threads();
+  return static_cast<int>(std::clamp<std::int64_t>(bytes >> 18, 1, requested));
+}
+
+// [begin, end) of `size` items for thread t of `threads`.
+std::pair<std::int64_t, std::int64_t> slice_of(std::int64_t size, int t, int threads) {
+  return {size * t / threads, size * (t + 1) / threads};
+}
+
+template <typename T>
+void copy_vector(const std::vector<T>& from, const TensorView& to) {
+  if (!from.empty()) std::memcpy(to.data, from.data(), from.size() * sizeof(T));
+}
+
+// The element types finalize reads and writes, as float32.
+struct Half {
+  using Storage = std::uint16_t;
+  static float load(std::uint16_t h) {
+    const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+    const std::uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+    if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in float32
+      const float magnitude = static_cast<float>(mantissa) * 0x1p-24f;
+      return std::bit_cast<float>(std::bit_cast<std::uint32_t>(magnitude) | sign);
+    }
+    const std::uint32_t bits = exponent == 0x1f ? 0x7f800000u | (mantissa << 13)
+                                                : ((exponent + 112) << 23) | (mantissa << 13);
+    return std::bit_cast<float>(sign | bits);
+  }
+  // Round to nearest, ties to even.
+  static std::uint16_t store(float value) {
+    std::uint32_t x = std::bit_cast<std::uint32_t>(value);
+    const auto sign = static_cast<std::uint16_t>((x >> 16) & 0x8000u);
+    x &= 0x7fffffffu;
+    if (x > 0x7f800000u) return sign | 0x7e00u;         // NaN
+    if (x >= 0x477ff000u) return sign | 0x7c00u;        // 65520 and up round to infinity
+    if (x >= 0x38800000u) {                              // normal: rebias, round off 13 bits
+      x -= 0x38000000u;
+      x += 0xfffu + ((x >> 13) & 1u);
+      return static_cast<std::uint16_t>(sign | (x >> 13));
+    }
+    const std::uint32_t shift = 126u - (x >> 23);  // subnormal: mantissa * 2^-shift
+    if (shift > 24) return sign;
+    const std::uint32_t mantissa = (x & 0x7fffffu) | 0x800000u;
+    std::uint32_t rounded = mantissa >> shift;
+    const std::uint32_t rest = mantissa & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rest > half || (rest == half && (rounded & 1u))) ++rounded;
+    return static_cast<std::uint16_t>(sign | rounded);
+  }
+};
+
+struct BFloat16 {
+  using Storage = std::uint16_t;
+  static float load(std::uint16_t b) { return std::bit_cast<float>(std::uint32_t{b} << 16); }
+  static std::uint16_t store(float value) {
+    const std::uint32_t x = std::bit_cast<std::uint32_t>(value);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN, as torch and ml_dtypes give it
+    return static_cast<std::uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+  }
+};
+
+struct Float32 {
+  using Storage = float;
+  static float load(float value) { return value; }
+  static float store(float value) { return value; }
+};
+
+template <typename T>
+const typename T::Storage* elements(const TensorView& view) {
+  return static_cast<const typename T::Storage*>(view.data);
+}
+template <typename T>
+const typename T::Storage* elements(const std::optional<TensorView>& view) {
+  return view ? elements<T>(*view) : nullptr;
+}
+
+// Tokens [begin, end) of a finalize call whose expanded rows are T and scales S.
+template <typename T, typename S, bool kBias, bool kScales>
+void finalize_tokens(const FinalizeRoutingCall& call, const FinalizeRoutingInputs& inputs,
+                     const FinalizeRoutingOutputs& outputs, std::int64_t begin, std::int64_t end,
+                     std::vector<float>& sum) {
+  const std::int64_t tokens = call.num_tokens, k = call.top_k, hidden = call.hidden;
+  const std::int64_t mode = call.attributes.drop_pad_mode;
+  const bool row_major = mode == kFinalizeRowMajor || mode == kFinalizeRowMajorCapacity;
+  const auto* expanded = elements<T>(inputs.expanded_x);
+  const auto* row_idx = static_cast<const std::int32_t*>(inputs.expanded_row_idx.data);
+  const auto* x1 = elements<T>(inputs.x1);
+  const auto* x2 = elements<T>(inputs.x2);
+  const auto* bias = elements<T>(inputs.bias);
+  const auto* scales = elements<S>(inputs.scales);
+  const auto* ids = inputs.expert_idx ? static_cast<const std::int32_t*>(inputs.expert_idx->data)
+                                      : nullptr;
+  auto* out = static_cast<typename T::Storage*>(outputs.out.data);
+  float* const y = sum.data();
+  for (std::int64_t t = begin; t < end; ++t) {
+    const std::int64_t at = t * hidden;
+    if (x1 && x2) {
+      for (std::int64_t h = 0; h < hidden; ++h) y[h] = T::load(x1[at + h]) + T::load(x2[at + h]);
+    } else if (x1) {
+      for (std::int64_t h = 0; h < hidden; ++h) y[h] = T::load(x1[at + h]);
+    } else {
+      std::fill_n(y, hidden, 0.0f);
+    }
+    for (std::int64_t j = 0; j < k; ++j) {
+      const std::int64_t row = row_idx[row_major ? t * k + j : j * tokens + t];
+      if (row < 0 || row >= call.expanded_rows) continue;  // dropped, or past active_num
+      const auto* v = expanded + row * hidden;
+      [[maybe_unused]] const typename T::Storage* b = nullptr;
+      if constexpr (kBias) b = bias + std::int64_t{ids[t * k + j]} * hidden;
+      [[maybe_unused]] float scale = 1.0f;
+      if constexpr (kScales) scale = S::load(scales[t * k + j]);
+      for (std::int64_t h = 0; h < hidden; ++h) {
+        float value = T::load(v[h]);
+        if constexpr (kBias) value = value + T::load(b[h]);
+        if constexpr (kScales) value = value * scale;
+        y[h] = y[h] + value;
+      }
+    }
+    for (std::int64_t h = 0; h < hidden; ++h) out[at + h] = T::store(y[h]);
+  }
+}
+
+template <typename T, typename S>
+void finalize_with(const FinalizeRoutingCall& call, const FinalizeRoutingInputs& inputs,
+                   const FinalizeRoutingOutputs& outputs, int num_threads) {
+  const std::int64_t element_bytes = sizeof(typename T::Storage);
+  const int threads = threads_for(
+      call.num_tokens * (call.top_k + 1) * call.hidden * element_bytes, num_threads);
+  const auto body = [&](int t) {
+    std::vector<float> sum(static_cast<std::size_t>(call.hidden));
+    const auto [begin, end] = slice_of(call.num_tokens, t, threads);
+    const bool bias = inputs.bias.has_value(), scales = inputs.scales.has_value();
+    if (bias && scales) {
+      finalize_tokens<T, S, true, true>(call, inputs, outputs, begin, end, sum);
+    } else if (bias) {
+      finalize_tokens<T, S, true, false>(call, inputs, outputs, begin, end, sum);
+    } else if (scales) {
+      finalize_tokens<T, S, false, true>(call, inputs, outputs, begin, end, sum);
+    } else {
+      finalize_tokens<T, S, false, false>(call, inputs, outputs, begin, end, sum);
+    }
+  };
+  run_threads(threads, body);
+}
+
+}  // namespace
+
+void init_routing(const InitRoutingCall& call, const InitRoutingLayout& layout,
+                  const InitRoutingInputs& inputs, const InitRoutingOutputs& outputs,
+                  int num_threads) {
+  copy_vector(layout.row_idx, outputs.expanded_row_idx);
+  copy_vector(layout.expert_tokens, outputs.expert_tokens_count_or_cumsum);
+  copy_vector(layout.tokens_before_capacity, outputs.expert_tokens_before_capacity);
+  const auto rows = static_cast<std::int64_t>(layout.source_token.size());
+  const std::int64_t row_bytes = call.row_bytes;
+  const std::int64_t bytes = 2 * rows * row_bytes;  // read and written
+  const bool streaming = bytes > last_level_cache_bytes();
+  const int threads = threads_for(bytes, num_threads);
+  const auto* x = static_cast<const std::byte*>(inputs.x.data);
+  auto* expanded = static_cast<std::byte*>(outputs.expanded_x.data);
+  run_threads(threads, [&](int t) {
+    const auto [begin, end] = slice_of(rows, t, threads);
+    for (std::int64_t i = begin; i < end; ++i) {
+      const std::int64_t source = layout.source_token[static_cast<std::size_t>(i)];
+      std::byte* to = expanded + i * row_bytes;
+      if (source < 0) {
+        zero_bytes(to, static_cast<std::size_t>(row_bytes), streaming);
+      } else {
+        copy_bytes(to, x + source * row_bytes, static_cast<std::size_t>(row_bytes), streaming);
+      }
+    }
+    stream_fence();
+  });
+}
+
+void finalize_routing(const FinalizeRoutingCall& call, const FinalizeRoutingInputs& inputs,
+                      const FinalizeRoutingOutputs& outputs, int num_threads) {
+  const bool float_scales = inputs.scales && inputs.scales->dtype() == DType::kFloat32;
+  switch (inputs.expanded_x.dtype()) {
+    case DType::kFloat16:
+      return finalize_with<Half, Half>(call, inputs, outputs, num_threads);
+    case DType::kBFloat16:
+      if (float_scales) return finalize_with<BFloat16, Float32>(call, inputs, outputs, num_threads);
+      return finalize_with<BFloat16, BFloat16>(call, inputs, outputs, num_threads);
+    default:
+      return finalize_with<Float32, Float32>(call, inputs, outputs, num_threads);
+  }
+}
+
+}  // namespace moe_reroute::detail::cpu
