@@ -65,32 +65,28 @@ RankInput make_rank_input(const LayerConfig& config, int rank) {
 }
 
 void expert_row(const LayerConfig& config, int expert, const std::int8_t* token, float scale,
-                float weight, float* out) {
+                float* out) {
   const auto base = static_cast<std::uint64_t>(expert) << 32;
   for (int o = 0; o < config.out_hidden; ++o) {
     const auto key = base | static_cast<std::uint64_t>(o);
     const float x = static_cast<float>(token[o % config.hidden]) * scale;
-    const float y = coefficient(2 * key) * x + coefficient(2 * key + 1);
-    out[o] = weight * y;
+    out[o] = coefficient(2 * key) * x + coefficient(2 * key + 1);
   }
-}
-
-void combine_row(int k, int out_hidden, const float* row, float* out) {
-  for (int o = 0; o < out_hidden; ++o) out[o] = k == 0 ? row[o] : out[o] + row[o];
 }
 
 std::vector<float> reference_output(const LayerConfig& config, const RankInput& input) {
   const auto out_hidden = static_cast<std::size_t>(config.out_hidden);
   const auto topk = static_cast<std::size_t>(config.topk);
-  std::vector<float> out(static_cast<std::size_t>(config.tokens_per_rank) * out_hidden);
+  std::vector<float> out(static_cast<std::size_t>(config.tokens_per_rank) * out_hidden, 0.0f);
   std::vector<float> row(out_hidden);
   for (std::size_t t = 0; t < static_cast<std::size_t>(config.tokens_per_rank); ++t) {
     float* dst = out.data() + t * out_hidden;
     for (std::size_t k = 0; k < topk; ++k) {
       expert_row(config, input.topk_expert[t * topk + k],
                  input.tokens.data() + t * static_cast<std::size_t>(config.hidden),
-                 input.scales[t], input.topk_weight[t * topk + k], row.data());
-      combine_row(static_cast<int>(k), config.out_hidden, row.data(), dst);
+                 input.scales[t], row.data());
+      const float weight = input.topk_weight[t * topk + k];
+      for (std::size_t o = 0; o < out_hidden; ++o) dst[o] = dst[o] + row[o] * weight;
     }
   }
   return out;

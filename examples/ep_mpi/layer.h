@@ -35,19 +35,16 @@ struct RankInput {
 /// experts are more popular, so the count matrix is uneven.
 RankInput make_rank_input(const LayerConfig& config, int rank);
 
-/// Global expert `expert` applied to one dispatched row, weighted by its
-/// routing weight: out[o] = weight * (a[o] * (tokens[o % H] * scale) + b[o]),
-/// with coefficients a, b fixed per (expert, o). Writes O floats.
+/// Global expert `expert` applied to one dispatched row:
+/// out[o] = a[o] * (tokens[o % H] * scale) + b[o], with coefficients a, b
+/// fixed per (expert, o). Writes O floats.
 void expert_row(const LayerConfig& config, int expert, const std::int8_t* token, float scale,
-                float weight, float* out);
-
-/// Adds the k-th weighted expert row of a token into its output row (k = 0
-/// initialises it), so pipeline and reference sum in the same order.
-void combine_row(int k, int out_hidden, const float* row, float* out);
+                float* out);
 
 /// The layer output of `rank` computed in one process, all experts local:
-/// out[t] = sum over k = 0..K-1, in that order, of expert_row(topk_expert[t][k], ...).
-/// Returns [T, O] float32.
+/// out[t] = 0 + w[t][0] * y[t][0] + ... + w[t][K-1] * y[t][K-1], each step
+/// rounded in float32 in that order (moe_finalize_routing's arithmetic), where
+/// y[t][k] = expert_row(topk_expert[t][k], ...). Returns [T, O] float32.
 std::vector<float> reference_output(const LayerConfig& config, const RankInput& input);
 
 }  // namespace ep

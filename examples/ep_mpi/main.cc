@@ -1,7 +1,8 @@
-// An expert-parallel MoE layer over MPI: dispatch AlltoAll, moe_re_routing,
-// one toy expert per local expert, the inverse, combine AlltoAll and the
-// top-k sum at the source rank. Rank 0 checks the result bitwise against
-// the same layer computed in one process.
+// An expert-parallel MoE layer over MPI: moe_init_routing (the sort by
+// destination), dispatch AlltoAll, moe_re_routing, one toy expert per local
+// expert, the inverse, combine AlltoAll and moe_finalize_routing (the
+// weighted top-k sum at the source rank). Rank 0 checks the result bitwise
+// against the same layer computed in one process.
 
 #include <mpi.h>
 
@@ -26,8 +27,8 @@ namespace mr = moe_reroute;
 enum Stage { kPack, kCounts, kDispatch, kReroute, kExperts, kInverse, kReturn, kCombine, kTotal, kNumStages };
 
 constexpr std::array<const char*, kNumStages> kStageName = {
-    "pack", "exchange_counts", "dispatch_alltoallv", "moe_re_routing", "experts",
-    "moe_re_routing_inverse", "return_alltoallv", "combine", "total"};
+    "moe_init_routing", "exchange_counts", "dispatch_alltoallv", "moe_re_routing", "experts",
+    "moe_re_routing_inverse", "return_alltoallv", "moe_finalize_routing", "total"};
 
 struct Options {
   ep::LayerConfig config;
@@ -95,24 +96,27 @@ std::vector<float> run_layer(const Options& options, const ep::RankInput& input,
   };
 
   // Global expert g = rank * E + e, so sorting the (token, k) pairs by g orders
-  // them by destination rank, then its local expert, as the dispatch needs.
-  std::vector<std::int32_t> send_count(num_experts, 0);
-  for (const std::int32_t g : input.topk_expert) ++send_count[static_cast<std::size_t>(g)];
-  std::vector<std::int64_t> next_row(num_experts, 0);
-  for (std::size_t g = 1; g < num_experts; ++g) next_row[g] = next_row[g - 1] + send_count[g - 1];
+  // them by destination rank, then its local expert, as the dispatch needs;
+  // send_row[t * K + k] is where pair (t, k) went, which the combine reads back.
   const std::size_t num_send = num_tokens * topk;
-  std::vector<std::int64_t> send_row(num_send);
+  const auto sends = static_cast<std::int64_t>(num_send);
   std::vector<std::int8_t> send_tokens(num_send * hidden);
+  std::vector<std::int32_t> send_row(num_send);
+  std::vector<std::int32_t> send_count(num_experts);
+  mr::InitRoutingAttributes init;
+  init.expert_num = c.num_experts();
+  init.expert_tokens_count_or_cumsum_flag = mr::kExpertTokensCount;
+  mr::moe_init_routing(
+      {.x = {input.tokens.data(), mr::DType::kInt8, {c.tokens_per_rank, c.hidden}},
+       .expert_idx = {input.topk_expert.data(), mr::DType::kInt32, {c.tokens_per_rank, c.topk}}},
+      {.expanded_x = {send_tokens.data(), mr::DType::kInt8, {sends, c.hidden}},
+       .expanded_row_idx = {send_row.data(), mr::DType::kInt32, {sends}},
+       .expert_tokens_count_or_cumsum = {send_count.data(), mr::DType::kInt32, {c.num_experts()}},
+       .expert_tokens_before_capacity = {nullptr, mr::DType::kInt32, {0}}},
+      init, options.threads);
   std::vector<float> send_scales(num_send);
-  std::vector<float> send_weights(num_send);
-  for (std::size_t t = 0; t < num_tokens; ++t) {
-    for (std::size_t k = 0; k < topk; ++k) {
-      const auto row = static_cast<std::size_t>(next_row[static_cast<std::size_t>(input.topk_expert[t * topk + k])]++);
-      send_row[t * topk + k] = static_cast<std::int64_t>(row);
-      std::memcpy(&send_tokens[row * hidden], &input.tokens[t * hidden], hidden);
-      send_scales[row] = input.scales[t];
-      send_weights[row] = input.topk_weight[t * topk + k];
-    }
+  for (std::size_t p = 0; p < num_send; ++p) {
+    send_scales[static_cast<std::size_t>(send_row[p])] = input.scales[p / topk];
   }
   lap(kPack);
 
@@ -130,11 +134,9 @@ std::vector<float> run_layer(const Options& options, const ep::RankInput& input,
   const auto recv_size = static_cast<std::size_t>(num_recv);
   std::vector<std::int8_t> recv_tokens(recv_size * hidden);
   std::vector<float> recv_scales(recv_size);
-  std::vector<float> recv_weights(recv_size);
   alltoallv(send_tokens, exchange_of(send_rows, c.hidden), recv_tokens,
             exchange_of(recv_rows, c.hidden), MPI_INT8_T);
   alltoallv(send_scales, exchange_of(send_rows, 1), recv_scales, exchange_of(recv_rows, 1), MPI_FLOAT);
-  alltoallv(send_weights, exchange_of(send_rows, 1), recv_weights, exchange_of(recv_rows, 1), MPI_FLOAT);
   lap(kDispatch);
 
   // Cumsum mode: each expert's segment end, the layout a grouped GEMM reads.
@@ -145,8 +147,7 @@ std::vector<float> run_layer(const Options& options, const ep::RankInput& input,
   const mr::RerouteInputs reroute_in{
       .tokens = {recv_tokens.data(), mr::DType::kInt8, {num_recv, c.hidden}},
       .expert_token_num_per_rank = counts_view,
-      .per_token_scales = mr::TensorView(recv_scales.data(), mr::DType::kFloat32, {num_recv}),
-      .expert_topk_weight = mr::TensorView(recv_weights.data(), mr::DType::kFloat32, {num_recv, 1})};
+      .per_token_scales = mr::TensorView(recv_scales.data(), mr::DType::kFloat32, {num_recv})};
   const mr::Plan plan = mr::plan_reroute(reroute_in, attributes, options.threads);
   // R output rows: A, plus room for the padding when k > 1.
   const std::int64_t num_rows = plan.output_specs()[0].shape[0];
@@ -155,14 +156,13 @@ std::vector<float> run_layer(const Options& options, const ep::RankInput& input,
   std::vector<float> permute_scales(rows);
   std::vector<std::int32_t> permute_idx(rows);
   std::vector<std::int32_t> segment_end(static_cast<std::size_t>(c.experts_per_rank));
-  std::vector<float> permute_weights(rows);
   mr::run_reroute(
       plan, reroute_in,
       {.permute_tokens = {permute_tokens.data(), mr::DType::kInt8, {num_rows, c.hidden}},
        .permute_per_token_scales = {permute_scales.data(), mr::DType::kFloat32, {num_rows}},
        .permute_token_idx = {permute_idx.data(), mr::DType::kInt32, {num_rows}},
        .expert_token_num = {segment_end.data(), mr::DType::kInt32, {c.experts_per_rank}},
-       .permute_topk_weight = {permute_weights.data(), mr::DType::kFloat32, {num_rows, 1}}});
+       .permute_topk_weight = {nullptr, mr::DType::kFloat32, {0}}});
   lap(kReroute);
 
   // Expert e's rows start where expert e - 1's segment ends; the ranks' counts
@@ -175,7 +175,7 @@ std::vector<float> run_layer(const Options& options, const ep::RankInput& input,
     for (int r = 0; r < c.num_ranks; ++r) valid += recv_count[static_cast<std::size_t>(r * c.experts_per_rank + e)];
     for (std::int64_t i = 0; i < valid; ++i, ++row) {
       ep::expert_row(c, expert, &permute_tokens[row * hidden], permute_scales[row],
-                     permute_weights[row], &expert_out[row * out_hidden]);
+                     &expert_out[row * out_hidden]);
     }
   }
   lap(kExperts);
@@ -194,13 +194,16 @@ std::vector<float> run_layer(const Options& options, const ep::RankInput& input,
             exchange_of(send_rows, c.out_hidden), MPI_FLOAT);
   lap(kReturn);
 
+  // Each token's K expert rows, weighted by its routing weights, summed in order.
   std::vector<float> out(num_tokens * out_hidden);
-  for (std::size_t t = 0; t < num_tokens; ++t) {
-    for (std::size_t k = 0; k < topk; ++k) {
-      const auto src = static_cast<std::size_t>(send_row[t * topk + k]);
-      ep::combine_row(static_cast<int>(k), c.out_hidden, &returned[src * out_hidden], &out[t * out_hidden]);
-    }
-  }
+  mr::FinalizeRoutingInputs combine{
+      .expanded_x = {returned.data(), mr::DType::kFloat32, {sends, c.out_hidden}},
+      .expanded_row_idx = {send_row.data(), mr::DType::kInt32, {sends}}};
+  combine.scales = mr::TensorView(input.topk_weight.data(), mr::DType::kFloat32,
+                                  {c.tokens_per_rank, c.topk});
+  mr::moe_finalize_routing(
+      combine, {.out = {out.data(), mr::DType::kFloat32, {c.tokens_per_rank, c.out_hidden}}},
+      {mr::kFinalizeRowMajor}, options.threads);
   lap(kCombine);
   times[kTotal] = (mark - start) * 1e3;
   return out;
