@@ -371,7 +371,7 @@ void check_finalize_values(const FinalizeRoutingCall& call, const FinalizeRoutin
     if (row < -1) fail(ErrorCode::kInvalidArgument, at + " is below -1");
     if (row == -1 && !capacity) {
       fail(ErrorCode::kInvalidArgument,
-           at + ": -1 (a dropped row) needs drop_pad_mode 1 or 3, got " + str(mode));
+           at + " (a dropped row) needs drop_pad_mode 1 or 3, got " + str(mode));
     }
     if (capacity && row >= call.expanded_rows) {
       fail(ErrorCode::kInvalidArgument,
