@@ -32,6 +32,48 @@ std::uint16_t bfloat16_of(float value) {
   return (below & 1) ? above : below;
 }
 
+#if !defined(__FLT16_MANT_DIG__)
+// Compilers without _Float16 on this target (clang before 15 on x86-64): the
+// float16 value of magnitude bits `bits`, infinity counting as 2^16, the
+// nearer of two candidates as for bfloat16, and NaNs quiet with their sign.
+double float16_magnitude(std::uint16_t bits) {
+  const int exponent = (bits >> 10) & 0x1f, mantissa = bits & 0x3ff;
+  if (exponent == 0x1f) return std::ldexp(1.0, 16);
+  if (exponent == 0) return std::ldexp(mantissa, -24);
+  return std::ldexp(1024 + mantissa, exponent - 25);
+}
+
+float float16_to_float(std::uint16_t bits) {
+  const double magnitude = float16_magnitude(bits & 0x7fff);
+  const bool negative = bits & 0x8000;
+  if ((bits & 0x7c00) == 0x7c00) {
+    if ((bits & 0x3ff) == 0) return negative ? -INFINITY : INFINITY;
+    const std::uint32_t wide = (negative ? 0xffc00000u : 0x7fc00000u) | ((bits & 0x3ffu) << 13);
+    float value;
+    std::memcpy(&value, &wide, 4);
+    return value;
+  }
+  return static_cast<float>(negative ? -magnitude : magnitude);
+}
+
+std::uint16_t float16_of(float value) {
+  const std::uint16_t sign = std::signbit(value) ? 0x8000 : 0;
+  if (std::isnan(value)) return sign | 0x7e00;
+  const double magnitude = std::fabs(double{value});
+  std::uint16_t below = 0;  // the largest magnitude at most `magnitude`, by bisection
+  for (std::uint16_t step = 0x4000; step > 0; step >>= 1) {
+    const auto next = static_cast<std::uint16_t>(below + step);
+    if (next <= 0x7c00 && float16_magnitude(next) <= magnitude) below = next;
+  }
+  if (below == 0x7c00 || float16_magnitude(below) == magnitude) return sign | below;
+  const auto above = static_cast<std::uint16_t>(below + 1);
+  const double distance_below = magnitude - float16_magnitude(below);
+  const double distance_above = float16_magnitude(above) - magnitude;
+  if (distance_below != distance_above) return sign | (distance_below < distance_above ? below : above);
+  return sign | ((below & 1) ? above : below);
+}
+#endif
+
 }  // namespace
 
 InitReferenceOutputs reference_init_routing(const InitReferenceInputs& in) {
@@ -95,9 +137,13 @@ float reference_load(FloatType type, const void* data, std::int64_t i) {
   std::uint16_t bits;
   std::memcpy(&bits, static_cast<const std::byte*>(data) + 2 * i, 2);
   if (type == FloatType::kFloat16) {
+#if defined(__FLT16_MANT_DIG__)
     _Float16 half;
     std::memcpy(&half, &bits, 2);
     return static_cast<float>(half);
+#else
+    return float16_to_float(bits);
+#endif
   }
   return static_cast<float>(bfloat16_value(bits, 1.0f));
 }
@@ -107,8 +153,13 @@ std::vector<std::byte> reference_store(FloatType type, float value) {
   if (type == FloatType::kFloat32) {
     std::memcpy(bytes.data(), &value, 4);
   } else if (type == FloatType::kFloat16) {
+#if defined(__FLT16_MANT_DIG__)
     const auto half = static_cast<_Float16>(value);
     std::memcpy(bytes.data(), &half, 2);
+#else
+    const std::uint16_t bits = float16_of(value);
+    std::memcpy(bytes.data(), &bits, 2);
+#endif
   } else {
     const std::uint16_t bits = bfloat16_of(value);
     std::memcpy(bytes.data(), &bits, 2);
