@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 fuzz_seconds=${MOE_REROUTE_FUZZ_SECONDS:-40}
 steps=${MOE_REROUTE_HARDENING_STEPS:-fuzz asan tsan}
 jobs=${MOE_REROUTE_JOBS:-$(nproc)}
-fuzz_targets=(reroute inverse npy)
+fuzz_targets=(reroute inverse init_routing finalize_routing npy)
 
 # Everything the top level builds with tests on, minus CUDA and Python.
 common_flags=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DMOE_REROUTE_BUILD_TESTS=ON

@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <utility>
 
 #include "workload.h"
 
@@ -31,39 +32,6 @@ constexpr std::int64_t kEdgeValues[] = {-1,
                                         kInt64Max,
                                         kInt64Min};
 
-// One in 16 draws an edge value; the rest a small size (exhausted input: 0).
-std::int64_t draw_size(FuzzedDataProvider& provider, std::int64_t small_max) {
-  if (provider.ConsumeIntegralInRange<int>(0, 15) == 15)
-    return provider.PickValueInArray(kEdgeValues);
-  return provider.ConsumeIntegralInRange<std::int64_t>(0, small_max);
-}
-
-// Mostly `usual`; one in 16 any table dtype, one in 64 an enum value past the table.
-DType draw_dtype(FuzzedDataProvider& provider, std::initializer_list<DType> usual) {
-  const int pick = provider.ConsumeIntegralInRange<int>(0, 63);
-  if (pick == 63) return static_cast<DType>(provider.ConsumeIntegralInRange<int>(13, 255));
-  if (pick >= 60) {
-    return static_cast<DType>(
-        provider.ConsumeIntegralInRange<std::size_t>(0, dtype_table().size() - 1));
-  }
-  return *(usual.begin() + pick % static_cast<int>(usual.size()));
-}
-
-std::int64_t draw_attribute(FuzzedDataProvider& provider) {
-  if (provider.ConsumeIntegralInRange<int>(0, 15) == 15) {
-    return provider.ConsumeIntegral<std::int64_t>();
-  }
-  return provider.ConsumeIntegralInRange<int>(0, 1);
-}
-
-// Usually `usual` dims; one in 8 any number up to kMaxDims.
-int draw_ndim(FuzzedDataProvider& provider, int usual) {
-  if (provider.ConsumeIntegralInRange<int>(0, 7) == 7) {
-    return provider.ConsumeIntegralInRange<int>(0, kMaxDims);
-  }
-  return usual;
-}
-
 // dim 0 is `rows` (usually A), the rest drawn with `small_max`.
 Shape draw_shape(FuzzedDataProvider& provider, int ndim, std::int64_t rows,
                  std::int64_t small_max) {
@@ -86,8 +54,6 @@ std::int64_t small_numel(const Shape& shape, std::int64_t limit) {
   return elements;
 }
 
-bool valid_dtype(DType dtype) { return static_cast<std::size_t>(dtype) < dtype_table().size(); }
-
 void draw_counts(FuzzedDataProvider& provider, Arguments& arguments) {
   const DType dtype = draw_dtype(provider, {DType::kInt32, DType::kInt64});
   const int ndim = draw_ndim(provider, 2);
@@ -103,7 +69,7 @@ void draw_counts(FuzzedDataProvider& provider, Arguments& arguments) {
   for (std::int64_t i = 0; i < numel; ++i) {
     // One in 16 an edge value, else a third zeros (empty blocks, A = 0) and small counts.
     const int pick = provider.ConsumeIntegralInRange<int>(0, 15);
-    std::int64_t value = pick == 15 ? provider.PickValueInArray(kEdgeValues)
+    std::int64_t value = pick == 15 ? draw_edge_value(provider)
                          : pick < 5 ? 0
                                     : provider.ConsumeIntegralInRange<std::int64_t>(1, 12);
     if (dtype == DType::kInt32) {
@@ -153,12 +119,91 @@ std::int64_t token_rows(const Arguments& arguments, std::int64_t num_tokens,
   return rows;
 }
 
-// dim 0 of scales or weight: usually A.
-std::int64_t draw_rows(FuzzedDataProvider& provider, std::int64_t num_tokens) {
-  return provider.ConsumeIntegralInRange<int>(0, 15) == 15 ? draw_size(provider, 64) : num_tokens;
+}  // namespace
+
+std::int64_t draw_edge_value(FuzzedDataProvider& provider) {
+  return provider.PickValueInArray(kEdgeValues);
 }
 
-}  // namespace
+std::int64_t draw_size(FuzzedDataProvider& provider, std::int64_t small_max) {
+  if (provider.ConsumeIntegralInRange<int>(0, 15) == 15) return draw_edge_value(provider);
+  return provider.ConsumeIntegralInRange<std::int64_t>(0, small_max);
+}
+
+DType draw_dtype(FuzzedDataProvider& provider, std::initializer_list<DType> usual) {
+  const int pick = provider.ConsumeIntegralInRange<int>(0, 63);
+  if (pick == 63) return static_cast<DType>(provider.ConsumeIntegralInRange<int>(13, 255));
+  if (pick >= 60) {
+    return static_cast<DType>(
+        provider.ConsumeIntegralInRange<std::size_t>(0, dtype_table().size() - 1));
+  }
+  return *(usual.begin() + pick % static_cast<int>(usual.size()));
+}
+
+std::int64_t draw_attribute(FuzzedDataProvider& provider, std::int64_t lo, std::int64_t hi) {
+  if (provider.ConsumeIntegralInRange<int>(0, 15) == 15) {
+    return provider.ConsumeIntegral<std::int64_t>();
+  }
+  return provider.ConsumeIntegralInRange<std::int64_t>(lo, hi);
+}
+
+int draw_ndim(FuzzedDataProvider& provider, int usual) {
+  if (provider.ConsumeIntegralInRange<int>(0, 7) == 7) {
+    return provider.ConsumeIntegralInRange<int>(0, kMaxDims);
+  }
+  return usual;
+}
+
+std::int64_t draw_rows(FuzzedDataProvider& provider, std::int64_t usual) {
+  return provider.ConsumeIntegralInRange<int>(0, 15) == 15 ? draw_size(provider, 64) : usual;
+}
+
+Shape draw_shape_like(FuzzedDataProvider& provider, std::initializer_list<std::int64_t> dims) {
+  Shape shape;
+  shape.ndim = draw_ndim(provider, static_cast<int>(dims.size()));
+  for (int d = 0; d < shape.ndim; ++d) {
+    shape.dims[static_cast<std::size_t>(d)] = static_cast<std::size_t>(d) < dims.size()
+                                                  ? *(dims.begin() + d)
+                                                  : draw_size(provider, 4);
+  }
+  return shape;
+}
+
+bool valid_dtype(DType dtype) { return static_cast<std::size_t>(dtype) < dtype_table().size(); }
+
+bool attach_random(TensorView& view, std::vector<std::byte>& storage, std::uint64_t seed) {
+  if (!small_enough({view.spec})) return false;
+  storage.resize(static_cast<std::size_t>(view.nbytes()));
+  testing::fill_random(storage.data(), storage.size(), seed);
+  view.data = storage.data();
+  return true;
+}
+
+std::vector<std::int64_t> attach_indices(TensorView& view, std::vector<std::byte>& storage,
+                                         std::uint64_t seed,
+                                         const std::function<std::int64_t()>& draw) {
+  std::vector<std::int64_t> values;
+  if (!attach_random(view, storage, seed)) return values;
+  const bool int32 = view.dtype() == DType::kInt32;
+  if (!int32 && view.dtype() != DType::kInt64) return values;
+  const std::int64_t numel = view.shape().numel();
+  for (std::int64_t i = 0; i < numel; ++i) {
+    std::int64_t value = draw();
+    if (int32) {
+      const auto stored = static_cast<std::int32_t>(value);
+      value = stored;
+      std::memcpy(storage.data() + i * 4, &stored, 4);
+    } else {
+      std::memcpy(storage.data() + i * 8, &value, 8);
+    }
+    values.push_back(value);
+  }
+  return values;
+}
+
+void maybe_null(FuzzedDataProvider& provider, TensorView& view) {
+  if (provider.ConsumeIntegralInRange<int>(0, 15) == 15) view.data = nullptr;
+}
 
 Arguments decode_arguments(FuzzedDataProvider& provider, bool expert_ordered_tokens) {
   Arguments arguments;
@@ -196,10 +241,36 @@ Arguments decode_arguments(FuzzedDataProvider& provider, bool expert_ordered_tok
   return arguments;
 }
 
+namespace {
+std::string finding_context;
+}  // namespace
+
+void set_finding_context(std::string context) {
+  finding_context = std::move(context);
+  // For a crash the sanitizers report before any require: print every call.
+  static const bool print = std::getenv("MOE_REROUTE_FUZZ_PRINT") != nullptr;
+  if (print) std::fprintf(stderr, "fuzz call: %s\n", finding_context.c_str());
+}
+
 void require(bool condition, const std::string& what) {
   if (condition) return;
   std::fprintf(stderr, "fuzz finding: %s\n", what.c_str());
+  if (!finding_context.empty()) std::fprintf(stderr, "  in: %s\n", finding_context.c_str());
   std::abort();
+}
+
+std::string describe(const TensorView& view) {
+  std::string text = valid_dtype(view.dtype()) ? view.spec.to_string()
+                                               : "dtype#" + std::to_string(static_cast<int>(view.dtype()));
+  return text + (view.data ? "" : " @null");
+}
+
+std::string describe(const std::vector<std::int64_t>& values) {
+  std::string text = "[";
+  for (std::size_t i = 0; i < values.size() && i < 64; ++i) {
+    text += (i ? ", " : "") + std::to_string(values[i]);
+  }
+  return text + (values.size() > 64 ? ", ...]" : "]");
 }
 
 std::int64_t row_bytes(const TensorSpec& spec) {
@@ -210,12 +281,22 @@ std::int64_t row_bytes(const TensorSpec& spec) {
 
 bool small_enough(const std::vector<TensorSpec>& specs) {
   for (const TensorSpec& spec : specs) {
-    if (spec.nbytes() > kMaxRunBytes) return false;
+    if (!valid_dtype(spec.dtype) || small_numel(spec.shape, kMaxRunBytes * 8) < 0 ||
+        spec.nbytes() > kMaxRunBytes) {
+      return false;
+    }
   }
   return true;
 }
 
-Buffers::Buffers(const Arguments& arguments, const std::vector<TensorSpec>& output_specs) {
+PoisonedOutputs::PoisonedOutputs(const std::vector<TensorSpec>& output_specs) {
+  for (const TensorSpec& spec : output_specs) {
+    outputs.emplace_back(static_cast<std::size_t>(spec.nbytes()), kPoison);
+  }
+}
+
+Buffers::Buffers(const Arguments& arguments, const std::vector<TensorSpec>& output_specs)
+    : PoisonedOutputs(output_specs) {
   const auto fill = [&](std::vector<std::byte>& storage, const TensorView& view,
                         std::uint64_t salt) {
     storage.resize(static_cast<std::size_t>(view.nbytes()));
@@ -224,12 +305,9 @@ Buffers::Buffers(const Arguments& arguments, const std::vector<TensorSpec>& outp
   fill(tokens, arguments.tokens, 1);
   if (arguments.scales) fill(scales, *arguments.scales, 2);
   if (arguments.weight) fill(weight, *arguments.weight, 3);
-  for (const TensorSpec& spec : output_specs) {
-    outputs.emplace_back(static_cast<std::size_t>(spec.nbytes()), kPoison);
-  }
 }
 
-std::vector<TensorView> Buffers::output_views(const std::vector<TensorSpec>& output_specs) {
+std::vector<TensorView> PoisonedOutputs::output_views(const std::vector<TensorSpec>& output_specs) {
   std::vector<TensorView> views;
   for (std::size_t i = 0; i < output_specs.size(); ++i) {
     views.emplace_back(outputs[i].data(), output_specs[i].dtype, output_specs[i].shape);
@@ -237,7 +315,7 @@ std::vector<TensorView> Buffers::output_views(const std::vector<TensorSpec>& out
   return views;
 }
 
-bool Buffers::outputs_untouched() const {
+bool PoisonedOutputs::outputs_untouched() const {
   for (const std::vector<std::byte>& output : outputs) {
     for (std::byte b : output) {
       if (b != kPoison) return false;
@@ -314,10 +392,10 @@ void require_plan_tiles(const Plan& plan) {
 }
 
 std::string break_one_output(FuzzedDataProvider& provider, const std::vector<TensorView*>& outputs,
-                             const TensorView& tokens) {
+                             const std::vector<const TensorView*>& inputs) {
   const int mode = provider.ConsumeIntegralInRange<int>(0, 7);
-  TensorView& output =
-      *outputs[provider.ConsumeIntegralInRange<std::size_t>(0, outputs.size() - 1)];
+  const std::size_t index = provider.ConsumeIntegralInRange<std::size_t>(0, outputs.size() - 1);
+  TensorView& output = *outputs[index];
   switch (mode) {
     case 1:
       output.spec.dtype = output.dtype() == DType::kFloat32 ? DType::kInt32 : DType::kFloat32;
@@ -325,14 +403,26 @@ std::string break_one_output(FuzzedDataProvider& provider, const std::vector<Ten
     case 2:
       output.spec.shape.dims[0] += 1;
       return "wrong dim 0";
-    case 3:
-      if (output.nbytes() == 0 || tokens.nbytes() == 0) return "";
-      output.data = tokens.data;
-      return "aliases tokens";
+    case 3: {
+      if (output.nbytes() == 0) return "";
+      const TensorView& input =
+          *inputs[provider.ConsumeIntegralInRange<std::size_t>(0, inputs.size() - 1)];
+      if (input.nbytes() == 0 || input.data == nullptr) return "";
+      output.data = input.data;
+      return "aliases an input";
+    }
     case 4:
       if (output.nbytes() == 0) return "";
       output.data = nullptr;
       return "null data";
+    case 5: {
+      if (outputs.size() < 2 || output.nbytes() == 0) return "";
+      std::size_t other = provider.ConsumeIntegralInRange<std::size_t>(0, outputs.size() - 2);
+      other += other >= index ? 1 : 0;
+      if (outputs[other]->nbytes() == 0) return "";
+      output.data = outputs[other]->data;
+      return "aliases another output";
+    }
     default:
       return "";
   }

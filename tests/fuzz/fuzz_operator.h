@@ -72,7 +72,7 @@ int fuzz_operator(const std::uint8_t* data, std::size_t size) {
   std::vector<TensorView> broken = outputs;
   std::vector<TensorView*> broken_pointers;
   for (TensorView& view : broken) broken_pointers.push_back(&view);
-  const std::string breakage = break_one_output(provider, broken_pointers, inputs.tokens);
+  const std::string breakage = break_one_output(provider, broken_pointers, {&inputs.tokens});
   if (!breakage.empty()) {
     try {
       Operator::run(*plan, inputs, broken);
