@@ -69,7 +69,9 @@ std::uint16_t float16_of(float value) {
   const auto above = static_cast<std::uint16_t>(below + 1);
   const double distance_below = magnitude - float16_magnitude(below);
   const double distance_above = float16_magnitude(above) - magnitude;
-  if (distance_below != distance_above) return sign | (distance_below < distance_above ? below : above);
+  if (distance_below != distance_above) {
+    return sign | (distance_below < distance_above ? below : above);
+  }
   return sign | ((below & 1) ? above : below);
 }
 #endif

@@ -260,8 +260,9 @@ void require(bool condition, const std::string& what) {
 }
 
 std::string describe(const TensorView& view) {
-  std::string text = valid_dtype(view.dtype()) ? view.spec.to_string()
-                                               : "dtype#" + std::to_string(static_cast<int>(view.dtype()));
+  std::string text = valid_dtype(view.dtype())
+                         ? view.spec.to_string()
+                         : "dtype#" + std::to_string(static_cast<int>(view.dtype()));
   return text + (view.data ? "" : " @null");
 }
 

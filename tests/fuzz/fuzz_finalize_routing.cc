@@ -43,7 +43,8 @@ struct FinalizeRouting {
 
   static void decode(FuzzedDataProvider& provider, Case& c) {
     c.num_threads = provider.ConsumeIntegralInRange<int>(0, 4);
-    const std::int64_t mode = draw_attribute(provider, kFinalizeColumnMajor, kFinalizeRowMajorCapacity);
+    const std::int64_t mode =
+        draw_attribute(provider, kFinalizeColumnMajor, kFinalizeRowMajorCapacity);
     c.attributes.drop_pad_mode = mode;
     const bool capacity = capacity_mode(mode);
     const DType dtype = draw_dtype(provider, {DType::kFloat16, DType::kBFloat16, DType::kFloat32});
@@ -71,7 +72,8 @@ struct FinalizeRouting {
     if (provider.ConsumeBool()) in.x2 = token_shaped();
     const bool with_bias = provider.ConsumeBool();
     if (with_bias) {
-      const std::int64_t bias_rows = draw_rows(provider, capacity ? experts : draw_size(provider, 4));
+      const std::int64_t bias_rows =
+          draw_rows(provider, capacity ? experts : draw_size(provider, 4));
       in.bias = TensorView(nullptr, draw_dtype(provider, {dtype}),
                            draw_shape_like(provider, {bias_rows, hidden}));
     }
@@ -100,16 +102,16 @@ struct FinalizeRouting {
 
     // Row indices: mostly rows of expanded_x; -1 (dropped) often in modes 1
     // and 3; one past the rows, -2 and edge values now and then.
-    const std::int64_t expanded_rows =
-        capacity ? (experts >= 0 && slots >= 0 && experts <= 64 && slots <= 64 ? experts * slots : 0)
-                 : rows;
+    const bool small_capacity = experts >= 0 && slots >= 0 && experts <= 64 && slots <= 64;
+    const std::int64_t expanded_rows = !capacity ? rows : small_capacity ? experts * slots : 0;
     const auto draw_row = [&]() -> std::int64_t {
       const int pick = provider.ConsumeIntegralInRange<int>(0, 31);
       if (pick == 31) return draw_edge_value(provider);
       if (pick == 30) return expanded_rows;
       if (pick == 29) return -2;
       if (pick == 28 || (capacity && pick < 6)) return -1;
-      return provider.ConsumeIntegralInRange<std::int64_t>(0, std::max<std::int64_t>(expanded_rows - 1, 0));
+      return provider.ConsumeIntegralInRange<std::int64_t>(
+          0, std::max<std::int64_t>(expanded_rows - 1, 0));
     };
     const std::int64_t bias_rows = in.bias && in.bias->shape().ndim >= 1 ? in.bias->shape()[0] : 0;
     const auto draw_id = [&]() -> std::int64_t {
@@ -140,7 +142,8 @@ struct FinalizeRouting {
     const std::vector<const TensorView*> views = inputs(c);
     for (std::size_t i = 0; i < views.size(); ++i) {
       if (!views[i]) continue;
-      text += (i ? ", " : " ") + std::string(desc().inputs[i].name) + " " + fuzz::describe(*views[i]);
+      text += (i ? ", " : " ") + std::string(desc().inputs[i].name) + " " +
+              fuzz::describe(*views[i]);
       if (i == 1) text += " = " + fuzz::describe(c.row_idx);
       if (i == 6) text += " = " + fuzz::describe(c.ids);
     }
@@ -150,7 +153,9 @@ struct FinalizeRouting {
 
   static std::vector<const TensorView*> inputs(const Case& c) {
     const FinalizeRoutingInputs& in = c.inputs;
-    const auto given = [](const std::optional<TensorView>& view) { return view ? &*view : nullptr; };
+    const auto given = [](const std::optional<TensorView>& view) {
+      return view ? &*view : nullptr;
+    };
     return {&in.expanded_x, &in.expanded_row_idx, given(in.x1),        given(in.x2),
             given(in.bias), given(in.scales),     given(in.expert_idx)};
   }
@@ -194,7 +199,8 @@ struct FinalizeRouting {
       return given ? c.storage[input].data() : nullptr;
     };
     const auto row_idx = static_cast<const std::int32_t*>(in.expanded_row_idx.data);
-    const auto ids = in.expert_idx ? static_cast<const std::int32_t*>(in.expert_idx->data) : nullptr;
+    const auto ids =
+        in.expert_idx ? static_cast<const std::int32_t*>(in.expert_idx->data) : nullptr;
     const std::vector<std::byte> expected = testing::reference_finalize_routing(
         {float_type(in.expanded_x.dtype()),
          in.scales ? float_type(in.scales->dtype()) : testing::FloatType::kFloat32,

@@ -40,13 +40,15 @@ struct InitRouting {
     a.expert_tokens_before_capacity_flag = provider.ConsumeBool();
     const std::int64_t tokens = draw_size(provider, 12), k = draw_size(provider, 4);
     const bool small = tokens >= 0 && tokens <= 64 && k >= 0 && k <= 64;
-    a.active_num = provider.ConsumeBool() ? 0 : draw_attribute(provider, 0, small ? tokens * k + 2 : 8);
+    a.active_num =
+        provider.ConsumeBool() ? 0 : draw_attribute(provider, 0, small ? tokens * k + 2 : 8);
     a.expert_capacity = draw_attribute(provider, 0, small ? tokens : 4);
 
     const DType x_dtype = draw_dtype(
         provider, {DType::kInt8, DType::kFloat16, DType::kBFloat16, DType::kFloat32,
                    DType::kFloat8E4M3FN, DType::kFloat4E2M1, DType::kUInt8});
-    c.inputs.x = TensorView(nullptr, x_dtype, draw_shape_like(provider, {tokens, draw_size(provider, 24)}));
+    const std::int64_t hidden = draw_size(provider, 24);
+    c.inputs.x = TensorView(nullptr, x_dtype, draw_shape_like(provider, {tokens, hidden}));
     const DType id_dtype = draw_dtype(provider, {DType::kInt32, DType::kInt64});
     c.inputs.expert_idx =
         TensorView(nullptr, id_dtype, draw_shape_like(provider, {draw_rows(provider, tokens), k}));

@@ -10,10 +10,10 @@
 //
 // `Operator` provides Case (decoded inputs in description order over their
 // own storage, attributes, num_threads, `runnable`: every input got storage),
-// decode, describe (the call in a line, for findings), desc, inputs, infer and call over output specs and views in the
-// order of the operator's output struct, value_refusal (the start of the
-// message the contract's value rules require, or "") and
-// check_against_reference.
+// decode, describe (the call in a line, for findings), desc, inputs, infer
+// and call over output specs and views in the order of the operator's output
+// struct, value_refusal (the start of the message the contract's value rules
+// require, or "") and check_against_reference.
 
 #include <optional>
 #include <string>
