@@ -184,6 +184,8 @@ InitRoutingCall validate(const InitRoutingInputs& inputs, const InitRoutingAttri
       DType::kInt32, {!capacity && flag != kExpertTokensNone ? a.expert_num : 0}};
   call.specs.expert_tokens_before_capacity = {
       DType::kInt32, {capacity && a.expert_tokens_before_capacity_flag ? a.expert_num : 0}};
+  checked_nbytes(call.specs.expert_tokens_count_or_cumsum, "expert_tokens_count_or_cumsum");
+  checked_nbytes(call.specs.expert_tokens_before_capacity, "expert_tokens_before_capacity");
   return call;
 }
 
@@ -201,19 +203,18 @@ InitRoutingLayout init_routing_layout(const InitRoutingCall& call, const TensorV
     max_id = std::max(max_id, id);
   });
 
-  // The stable sort by id: counting, unless unbounded ids spread too far.
+  // The stable sort by id: counting, unless the ids spread far past the positions.
   std::vector<std::int32_t> order(static_cast<std::size_t>(positions));
   std::vector<std::int64_t> ids(order.size());
   for_each_index(expert_idx, positions, [&](std::int64_t p, std::int64_t id) {
     ids[static_cast<std::size_t>(p)] = id;
   });
-  const std::int64_t buckets = a.expert_num > 0 ? a.expert_num : max_id + 1;
-  std::vector<std::int64_t> per_expert;
-  if (buckets <= 2 * positions + 4096) {
-    per_expert.assign(static_cast<std::size_t>(buckets), 0);
-    for (const std::int64_t id : ids) ++per_expert[static_cast<std::size_t>(id)];
-    std::vector<std::int64_t> next(per_expert.size());
-    std::exclusive_scan(per_expert.begin(), per_expert.end(), next.begin(), std::int64_t{0});
+  const std::int64_t most_buckets = 2 * positions + 4096;
+  const std::int64_t span = a.expert_num > 0 ? a.expert_num : max_id;  // max_id + 1 may overflow
+  if (span <= most_buckets) {
+    std::vector<std::int64_t> next(static_cast<std::size_t>(a.expert_num > 0 ? span : span + 1), 0);
+    for (const std::int64_t id : ids) ++next[static_cast<std::size_t>(id)];
+    std::exclusive_scan(next.begin(), next.end(), next.begin(), std::int64_t{0});
     for (std::size_t p = 0; p < ids.size(); ++p) {
       order[static_cast<std::size_t>(next[static_cast<std::size_t>(ids[p])]++)] =
           static_cast<std::int32_t>(p);
@@ -224,6 +225,12 @@ InitRoutingLayout init_routing_layout(const InitRoutingCall& call, const TensorV
       return ids[static_cast<std::size_t>(l)] < ids[static_cast<std::size_t>(r)];
     });
   }
+  // The ids per expert, where an output holds them (E of them, bounded by its spec).
+  const auto per_expert = [&] {
+    std::vector<std::int32_t> counts(static_cast<std::size_t>(a.expert_num), 0);
+    for (const std::int64_t id : ids) ++counts[static_cast<std::size_t>(id)];
+    return counts;
+  };
 
   InitRoutingLayout layout;
   layout.row_idx.resize(order.size());
@@ -236,7 +243,7 @@ InitRoutingLayout init_routing_layout(const InitRoutingCall& call, const TensorV
     }
     const std::int64_t flag = a.expert_tokens_count_or_cumsum_flag;
     if (flag != kExpertTokensNone) {
-      layout.expert_tokens.assign(per_expert.begin(), per_expert.end());
+      layout.expert_tokens = per_expert();
       if (flag == kExpertTokensCumsum) {
         std::inclusive_scan(layout.expert_tokens.begin(), layout.expert_tokens.end(),
                             layout.expert_tokens.begin());
@@ -259,9 +266,7 @@ InitRoutingLayout init_routing_layout(const InitRoutingCall& call, const TensorV
     }
     layout.row_idx[static_cast<std::size_t>(order[i])] = slot;
   }
-  if (a.expert_tokens_before_capacity_flag) {
-    layout.tokens_before_capacity.assign(per_expert.begin(), per_expert.end());
-  }
+  if (a.expert_tokens_before_capacity_flag) layout.tokens_before_capacity = per_expert();
   return layout;
 }
 

@@ -149,8 +149,9 @@ void finalize_with(const FinalizeRoutingCall& call, const FinalizeRoutingInputs&
   const int threads = threads_for(
       call.num_tokens * (call.top_k + 1) * call.hidden * element_bytes, num_threads);
   const auto body = [&](int t) {
-    std::vector<float> sum(static_cast<std::size_t>(call.hidden));
     const auto [begin, end] = slice_of(call.num_tokens, t, threads);
+    if (begin == end) return;  // no row: no H floats either
+    std::vector<float> sum(static_cast<std::size_t>(call.hidden));
     const bool bias = inputs.bias.has_value(), scales = inputs.scales.has_value();
     if (bias && scales) {
       finalize_tokens<T, S, true, true>(call, inputs, outputs, begin, end, sum);

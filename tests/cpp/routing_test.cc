@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <string>
@@ -171,6 +172,50 @@ TEST(InitRouting, UnboundedIdsSortStably) {
                     TensorView(nullptr, DType::kInt32, {0}), TensorView(nullptr, DType::kInt32, {0})});
   EXPECT_EQ(expanded, (std::vector<std::int16_t>{13, 15, 11, 14, 10, 12}));
   EXPECT_EQ(row_idx, (std::vector<std::int32_t>{4, 2, 5, 0, 3, 1}));
+}
+
+TEST(InitRouting, CountsAreWrittenWhenTheExpertsOutnumberThePositions) {
+  // Far more experts than positions sort by comparison; the counts are still written.
+  for (const std::int64_t mode : {kDropless, kDropPad}) {
+    InitCase c{DType::kFloat32, DType::kInt32, 7, 3, 2, {}};
+    c.attributes.drop_pad_mode = mode;
+    c.attributes.expert_num = 12657;
+    c.attributes.expert_capacity = 1;
+    c.attributes.expert_tokens_count_or_cumsum_flag = kExpertTokensCount;
+    c.attributes.expert_tokens_before_capacity_flag = true;
+    check_init(c, 3, 1);
+  }
+}
+
+TEST(InitRouting, TheLargestIdSortsWithoutOverflow) {
+  std::vector<std::int64_t> ids = {std::numeric_limits<std::int64_t>::max(), 0};
+  std::vector<float> x = {1.0f, 2.0f};
+  std::vector<float> expanded(2);
+  std::vector<std::int32_t> row_idx(2);
+  moe_init_routing({TensorView(x.data(), DType::kFloat32, {2, 1}),
+                    TensorView(ids.data(), DType::kInt64, {2, 1})},
+                   {TensorView(expanded.data(), DType::kFloat32, {2, 1}),
+                    TensorView(row_idx.data(), DType::kInt32, {2}),
+                    TensorView(nullptr, DType::kInt32, {0}), TensorView(nullptr, DType::kInt32, {0})});
+  EXPECT_EQ(expanded, (std::vector<float>{2.0f, 1.0f}));
+  EXPECT_EQ(row_idx, (std::vector<std::int32_t>{1, 0}));
+}
+
+TEST(InitRouting, RefusesCountsPastInt64) {
+  std::vector<std::int32_t> ids = {0};
+  std::vector<float> x = {1.0f};
+  InitRoutingAttributes a;
+  a.expert_num = std::int64_t{1} << 62;
+  a.expert_tokens_count_or_cumsum_flag = kExpertTokensCount;
+  try {
+    infer_init_routing({TensorView(x.data(), DType::kFloat32, {1, 1}),
+                        TensorView(ids.data(), DType::kInt32, {1, 1})},
+                       a);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& error) {
+    EXPECT_EQ(std::string(error.what()).rfind("expert_tokens_count_or_cumsum:", 0), 0u)
+        << error.what();
+  }
 }
 
 // Each bad call: the error names `argument`, and no output byte is written.
@@ -381,6 +426,17 @@ TEST(FinalizeRouting, RoundsToNearestEvenWithoutFusedMultiplyAdd) {
   moe_finalize_routing(b, {TensorView(rounded, DType::kBFloat16, {2, 1})});
   EXPECT_EQ(rounded[0], 0x3f80);
   EXPECT_EQ(rounded[1], 0x3f82);
+}
+
+TEST(FinalizeRouting, AnEmptyCallOfLongRowsAllocatesNothing) {
+  const std::int64_t hidden = std::int64_t{1} << 40;
+  const std::int32_t none = 0;
+  for (const int threads : {1, 3}) {
+    moe_finalize_routing({TensorView(nullptr, DType::kFloat16, {0, 0, hidden}),
+                          TensorView(&none, DType::kInt32, {0})},
+                         {TensorView(nullptr, DType::kFloat16, {0, hidden})},
+                         {kFinalizeRowMajorCapacity}, threads);
+  }
 }
 
 struct BadFinalize {
