@@ -36,9 +36,14 @@ enum StatusBit : std::int32_t {
 };
 
 /// Where a call runs and what device memory it may use.
+/// The stream's device runs the call, whichever device is current (it is
+/// current during the call and the caller's comes back after), except while
+/// the stream is being captured: CUDA cannot be asked a capturing stream's
+/// device without invalidating the capture, so the current device must then
+/// be the stream's (as a device guard makes it); else the launch fails with
+/// ErrorCode::kBackend.
 struct DeviceContext {
-  void* stream =
-      nullptr;  // a cudaStream_t (its device runs the call); nullptr is the legacy default stream
+  void* stream = nullptr;  // a cudaStream_t; nullptr is the legacy default stream
   std::int32_t* status = nullptr;  // device int32, 4-byte aligned, sticky (see StatusBit)
   void* workspace = nullptr;       // device memory, 8-byte aligned; may be null when none is needed
   std::size_t workspace_bytes = 0;  // at least required_workspace_bytes(N, E)

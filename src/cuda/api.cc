@@ -1,7 +1,8 @@
 // The host side of a CUDA call: the core's validation of shapes, dtypes and
 // outputs, the alignment the kernels rely on, then one launch (two past
-// kMaxFusedBlocks blocks). Never synchronises, allocates or reads device
-// memory; the device's limits are queried once per device.
+// kMaxFusedBlocks blocks) on the stream's device. Never synchronises,
+// allocates or reads device memory; the device's limits are queried once per
+// device.
 
 #include <cuda_runtime_api.h>
 
@@ -13,6 +14,7 @@
 
 #include "../call.h"
 #include "../check.h"
+#include "api.h"
 #include "kernels.h"
 #include "launch.h"
 #include "moe_reroute/cuda.h"
@@ -63,8 +65,9 @@ struct ContextViews {
   TensorView workspace;
 };
 
-ContextViews context_views(const DeviceContext& context, const TensorView& counts) {
-  const std::size_t needed = required_workspace_bytes(counts.shape()[0], counts.shape()[1]);
+ContextViews context_views(const DeviceContext& context, const TensorView& counts,
+                           detail::Path path) {
+  const std::size_t needed = detail::workspace_bytes(counts.shape()[0], counts.shape()[1], path);
   if (context.workspace_bytes < needed) {
     fail(ErrorCode::kInvalidArgument, "workspace: counts " + counts.shape().to_string() + " need " +
                                           std::to_string(needed) + " bytes, got " +
@@ -80,8 +83,9 @@ ContextViews context_views(const DeviceContext& context, const TensorView& count
 // and the workspace as outputs too, then the counts' alignment.
 template <typename Inputs>
 void check_arguments(const moe_reroute::detail::Call& call, const Inputs& inputs,
-                     std::vector<NamedView> outputs, const DeviceContext& context) {
-  const ContextViews views = context_views(context, inputs.expert_token_num_per_rank);
+                     std::vector<NamedView> outputs, const DeviceContext& context,
+                     detail::Path path) {
+  const ContextViews views = context_views(context, inputs.expert_token_num_per_rank, path);
   outputs.insert(outputs.end(), {{"status", &views.status}, {"workspace", &views.workspace}});
   std::vector<TensorSpec> output_specs(call.output_specs().begin(), call.output_specs().end());
   output_specs.insert(output_specs.end(), {views.status.spec, views.workspace.spec});
@@ -97,7 +101,8 @@ struct DeviceSlot {
   detail::DeviceLimits limits;
 };
 
-const detail::DeviceLimits& device_limits(cudaStream_t stream) {
+// The limits of `device`, the current device.
+const detail::DeviceLimits& device_limits(int device) {
   static int num_devices = -1;
   static std::unique_ptr<DeviceSlot[]> slots;
   static std::once_flag counted;
@@ -108,16 +113,40 @@ const detail::DeviceLimits& device_limits(cudaStream_t stream) {
       slots = std::make_unique<DeviceSlot[]>(static_cast<std::size_t>(num_devices));
   });
   check_cuda(count_error, "cudaGetDeviceCount");
-  int device = 0;
-  check_cuda(cudaStreamGetDevice(stream, &device), "cudaStreamGetDevice");
-  if (device < 0 || device >= num_devices)
-    check_cuda(cudaErrorInvalidDevice, "cudaStreamGetDevice");
+  if (device < 0 || device >= num_devices) check_cuda(cudaErrorInvalidDevice, "device limits");
   DeviceSlot& slot = slots[static_cast<std::size_t>(device)];
   std::call_once(slot.once,
                  [&slot, device] { slot.error = detail::query_limits(device, slot.limits); });
   check_cuda(slot.error, "device limits");
   return slot.limits;
 }
+
+// The device a call on `stream` runs on (detail::call_device), current for
+// the guard's lifetime; the caller's current device comes back after.
+class CallDevice {
+ public:
+  explicit CallDevice(cudaStream_t stream) {
+    check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
+    device_ = detail::call_device(
+        stream, previous_, [stream] { return stream_is_capturing(stream); },
+        [stream] {
+          int device = 0;
+          check_cuda(cudaStreamGetDevice(stream, &device), "cudaStreamGetDevice");
+          return device;
+        });
+    if (device_ != previous_) check_cuda(cudaSetDevice(device_), "cudaSetDevice");
+  }
+  CallDevice(const CallDevice&) = delete;
+  CallDevice& operator=(const CallDevice&) = delete;
+  ~CallDevice() {
+    if (device_ != previous_) cudaSetDevice(previous_);
+  }
+  int device() const { return device_; }
+
+ private:
+  int previous_ = 0;
+  int device_ = 0;
+};
 
 const std::byte* bytes(const TensorView& view) { return static_cast<const std::byte*>(view.data); }
 std::byte* mutable_bytes(const TensorView& view) { return static_cast<std::byte*>(view.data); }
@@ -161,16 +190,19 @@ detail::KernelParams params_for(const moe_reroute::detail::Call& call, const Ten
 }
 
 void enqueue(detail::KernelParams& p, DType count_dtype, std::int64_t output_rows,
-             const DeviceContext& context) {
+             const DeviceContext& context, detail::Path path) {
   const auto stream = static_cast<cudaStream_t>(context.stream);
+  const CallDevice device(stream);
   // The most small tasks any counts can ask for (small_tasks in layout.h).
   const std::int64_t max_small = !p.index.present ? output_rows
                                  : p.index.gather ? p.index.output_rows
                                                   : p.index.output_rows + p.index.input_rows;
   const detail::LaunchPlan plan =
       detail::plan_launch(p.layout.num_ranks, p.layout.num_experts, count_dtype == DType::kInt64,
-                          output_rows, p.tokens.row_bytes, max_small, device_limits(stream));
+                          output_rows, p.tokens.row_bytes, max_small,
+                          device_limits(device.device()), path);
   p.tiles = plan.tiles;
+  p.streaming = plan.streaming;
   check_cuda(detail::launch(p, plan, stream), "kernel launch");
 }
 
@@ -183,15 +215,17 @@ bool stream_is_capturing(void* stream) {
   return status != cudaStreamCaptureStatusNone;
 }
 
+namespace detail {
+
 void moe_re_routing(const RerouteInputs& inputs, const RerouteOutputs& outputs,
-                    const Attributes& attributes, const DeviceContext& context) {
+                    const Attributes& attributes, const DeviceContext& context, Path path) {
   const moe_reroute::detail::Call call = moe_reroute::detail::validate(inputs, attributes);
-  check_arguments(call, inputs, named_outputs(outputs), context);
+  check_arguments(call, inputs, named_outputs(outputs), context, path);
   check_element_aligned(outputs.permute_token_idx, "permute_token_idx");
   check_element_aligned(outputs.expert_token_num, "expert_token_num");
 
-  detail::KernelParams p = params_for(call, inputs.expert_token_num_per_rank, inputs.tokens.data,
-                                      outputs.permute_tokens, context);
+  KernelParams p = params_for(call, inputs.expert_token_num_per_rank, inputs.tokens.data,
+                              outputs.permute_tokens, context);
   // Without scales permute_per_token_scales is [R] float32 zeros.
   p.scales =
       inputs.per_token_scales
@@ -203,19 +237,31 @@ void moe_re_routing(const RerouteInputs& inputs, const RerouteOutputs& outputs,
   p.index_data = static_cast<std::int32_t*>(outputs.permute_token_idx.data);
   p.expert_token_num = outputs.expert_token_num.data;
   p.cumsum = call.attributes.expert_token_num_type == kExpertTokenNumCumsum;
-  enqueue(p, inputs.expert_token_num_per_rank.dtype(), call.num_rows, context);
+  enqueue(p, inputs.expert_token_num_per_rank.dtype(), call.num_rows, context, path);
+}
+
+void moe_re_routing_inverse(const InverseInputs& inputs, const InverseOutputs& outputs,
+                            const Attributes& attributes, const DeviceContext& context, Path path) {
+  const moe_reroute::detail::Call call = moe_reroute::detail::validate(inputs, attributes);
+  check_arguments(call, inputs, named_outputs(inputs, outputs), context, path);
+  KernelParams p = params_for(call, inputs.expert_token_num_per_rank, inputs.tokens.data,
+                              outputs.restored_tokens, context);
+  check_int32(call.num_rows, "tokens", "rows");
+  p.scales = rows(inputs.per_token_scales, outputs.restored_per_token_scales, "per_token_scales");
+  p.weight = rows(inputs.expert_topk_weight, outputs.restored_topk_weight, "expert_topk_weight");
+  enqueue(p, inputs.expert_token_num_per_rank.dtype(), call.num_tokens, context, path);
+}
+
+}  // namespace detail
+
+void moe_re_routing(const RerouteInputs& inputs, const RerouteOutputs& outputs,
+                    const Attributes& attributes, const DeviceContext& context) {
+  detail::moe_re_routing(inputs, outputs, attributes, context, detail::Path::kAuto);
 }
 
 void moe_re_routing_inverse(const InverseInputs& inputs, const InverseOutputs& outputs,
                             const Attributes& attributes, const DeviceContext& context) {
-  const moe_reroute::detail::Call call = moe_reroute::detail::validate(inputs, attributes);
-  check_arguments(call, inputs, named_outputs(inputs, outputs), context);
-  detail::KernelParams p = params_for(call, inputs.expert_token_num_per_rank, inputs.tokens.data,
-                                      outputs.restored_tokens, context);
-  check_int32(call.num_rows, "tokens", "rows");
-  p.scales = rows(inputs.per_token_scales, outputs.restored_per_token_scales, "per_token_scales");
-  p.weight = rows(inputs.expert_topk_weight, outputs.restored_topk_weight, "expert_topk_weight");
-  enqueue(p, inputs.expert_token_num_per_rank.dtype(), call.num_tokens, context);
+  detail::moe_re_routing_inverse(inputs, outputs, attributes, context, detail::Path::kAuto);
 }
 
 }  // namespace moe_reroute::cuda

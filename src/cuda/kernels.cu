@@ -2,6 +2,7 @@
 // The index math is in layout.h; here are the barriers, the block scans and
 // the loads and stores.
 
+#include <algorithm>
 #include <cstdint>
 
 #include "kernels.h"
@@ -95,17 +96,29 @@ __device__ uint4 shuffle(const uint4& v, int from) {
                     __shfl_sync(kFullMask, v.z, from), __shfl_sync(kFullMask, v.w, from));
 }
 
-template <int Q>
+// Evict-first stores only where the call's bytes pass the L2 (streaming_stores).
+// A template argument of the kernels: a choice at run time costs the fused
+// kernel spills.
+template <bool Streaming>
+__device__ void store_word(uint4* to, const uint4& v) {
+  if constexpr (Streaming) {
+    __stcs(to, v);
+  } else {
+    *to = v;
+  }
+}
+
+template <int Q, bool Streaming>
 __device__ void store_shifted(uint4* to, const uint4& lo, const uint4& hi, int bits) {
   const Word word = shifted_word<Q>(word_of(lo), word_of(hi), bits);
-  __stcs(to, make_uint4(word.x, word.y, word.z, word.w));
+  store_word<Streaming>(to, make_uint4(word.x, word.y, word.z, word.w));
 }
 
 // Output word w is 16 bytes at 4 * Q + bits / 8 of aligned input words w
 // and w + 1; words + 1 aligned words are read, each holding needed bytes.
 // The upper word comes from the next lane; lane 31 takes the next group's
 // lane 0 or loads it.
-template <int Q>
+template <int Q, bool Streaming>
 __device__ void shifted_move(uint4* out, const uint4* in, std::int32_t words, int bits, int lane) {
   constexpr int kWordsInFlight = kShiftedWordsInFlight;
   constexpr std::int32_t kStep = kWarpSize * kWordsInFlight;
@@ -123,7 +136,7 @@ __device__ void shifted_move(uint4* out, const uint4* in, std::int32_t words, in
       // Lane 0 hands lane 31 its word u + 1 (the last u: lane 31 has `last`).
       uint4 hi = shuffle(lane != 0 ? v[u] : v[u + 1 < kWordsInFlight ? u + 1 : u], from);
       if (edge && u + 1 == kWordsInFlight) hi = last;
-      store_shifted<Q>(out + first + lane + u * kWarpSize, v[u], hi, bits);
+      store_shifted<Q, Streaming>(out + first + lane + u * kWarpSize, v[u], hi, bits);
     }
   }
   for (std::int32_t first = whole; first < words; first += kWarpSize) {
@@ -131,27 +144,23 @@ __device__ void shifted_move(uint4* out, const uint4* in, std::int32_t words, in
     const uint4 lo = w <= words ? __ldcs(in + w) : make_uint4(0, 0, 0, 0);
     uint4 hi = shuffle(lo, from);
     if (edge && w < words) hi = __ldcs(in + w + 1);
-    if (w < words) store_shifted<Q>(out + w, lo, hi, bits);
+    if (w < words) store_shifted<Q, Streaming>(out + w, lo, hi, bits);
   }
 }
 
-// The warp moves n bytes to dst from src (null: zeros): single bytes up to
-// an aligned dst, 16-byte streaming stores, single bytes after.
-__device__ void warp_move(std::byte* dst, const std::byte* src, std::int32_t n, int lane) {
-  const ByteSplit split =
-      split_bytes(reinterpret_cast<std::uintptr_t>(dst), reinterpret_cast<std::uintptr_t>(src), n);
-  if (lane < split.head) dst[lane] = src == nullptr ? std::byte{0} : src[lane];
-  const std::int32_t after = split.head + split.words * 16;
-  if (lane < split.tail) dst[after + lane] = src == nullptr ? std::byte{0} : src[after + lane];
-  auto* out = reinterpret_cast<uint4*>(dst + split.head);
+// The 16-byte words of a warp_move, from src (null: zeros) to the aligned `out`.
+template <bool Streaming>
+__device__ void move_words(uint4* out, const std::byte* src, const ByteSplit& split, int lane) {
   const std::int32_t words = split.words;
   constexpr std::int32_t kStep = kWarpSize * kWordsInFlight;
   if (src == nullptr) {
-    for (std::int32_t w = lane; w < words; w += kWarpSize) __stcs(out + w, make_uint4(0, 0, 0, 0));
+    for (std::int32_t w = lane; w < words; w += kWarpSize)
+      store_word<Streaming>(out + w, make_uint4(0, 0, 0, 0));
     return;
   }
   if (split.shift == 0) {
-    // Whole steps of kWordsInFlight loads a lane, then one word at a time.
+    // Whole steps of kWordsInFlight loads a lane, then the rest, predicated,
+    // every load before the first store.
     const uint4* in = reinterpret_cast<const uint4*>(src + split.head) + lane;
     uint4* to = out + lane;
     const std::int32_t whole = words - words % kStep;
@@ -160,26 +169,48 @@ __device__ void warp_move(std::byte* dst, const std::byte* src, std::int32_t n, 
 #pragma unroll
       for (int u = 0; u < kWordsInFlight; ++u) v[u] = __ldcs(in + w + u * kWarpSize);
 #pragma unroll
-      for (int u = 0; u < kWordsInFlight; ++u) __stcs(to + w + u * kWarpSize, v[u]);
+      for (int u = 0; u < kWordsInFlight; ++u) store_word<Streaming>(to + w + u * kWarpSize, v[u]);
     }
-    for (std::int32_t w = whole; w + lane < words; w += kWarpSize) __stcs(to + w, __ldcs(in + w));
+    uint4 rest[kWordsInFlight];
+#pragma unroll
+    for (int u = 0; u < kWordsInFlight; ++u) {
+      const bool inside = whole + lane + u * kWarpSize < words;
+      rest[u] = inside ? __ldcs(in + whole + u * kWarpSize) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kWordsInFlight; ++u) {
+      if (whole + lane + u * kWarpSize < words)
+        store_word<Streaming>(to + whole + u * kWarpSize, rest[u]);
+    }
     return;
   }
   const auto* in = reinterpret_cast<const uint4*>(src + split.head - split.shift);
   const int bits = (split.shift & 3) * 8;
   switch (split.shift >> 2) {
     case 0:
-      shifted_move<0>(out, in, words, bits, lane);
+      shifted_move<0, Streaming>(out, in, words, bits, lane);
       break;
     case 1:
-      shifted_move<1>(out, in, words, bits, lane);
+      shifted_move<1, Streaming>(out, in, words, bits, lane);
       break;
     case 2:
-      shifted_move<2>(out, in, words, bits, lane);
+      shifted_move<2, Streaming>(out, in, words, bits, lane);
       break;
     default:
-      shifted_move<3>(out, in, words, bits, lane);
+      shifted_move<3, Streaming>(out, in, words, bits, lane);
   }
+}
+
+// The warp moves n bytes to dst from src (null: zeros): single bytes up to
+// an aligned dst, 16-byte words, single bytes after.
+template <bool Streaming>
+__device__ void warp_move(std::byte* dst, const std::byte* src, std::int32_t n, int lane) {
+  const ByteSplit split =
+      split_bytes(reinterpret_cast<std::uintptr_t>(dst), reinterpret_cast<std::uintptr_t>(src), n);
+  if (lane < split.head) dst[lane] = src == nullptr ? std::byte{0} : src[lane];
+  const std::int32_t after = split.head + split.words * 16;
+  if (lane < split.tail) dst[after + lane] = src == nullptr ? std::byte{0} : src[after + lane];
+  move_words<Streaming>(reinterpret_cast<uint4*>(dst + split.head), src, split, lane);
 }
 
 // Not unrolled: the rows are short, and unrolled loops of five widths for
@@ -231,32 +262,33 @@ __device__ void move_small(const KernelParams& p, const Tables& t, const Totals&
 // This thread's share of the call, grid-strided by warp over what the tables
 // say exists: the token tiles (a warp each), then the small tasks (32 a warp,
 // none when there are no scales, weights or index to write).
+template <bool Streaming>
 __device__ void move(const KernelParams& p, const Tables& t, const Totals& totals) {
   const int lane = static_cast<int>(threadIdx.x) % kWarpSize;
-  const std::int32_t num_tiles = totals.output_rows * p.tiles.tiles_per_row;
   const bool any_small = p.scales.dst != nullptr || p.weight.dst != nullptr || p.index.present;
-  const std::int32_t num_small = any_small ? small_tasks(p.index, totals) : 0;
-  const std::int32_t num_tasks = num_tiles + (num_small + kWarpSize - 1) / kWarpSize;
+  const MoveTasks tasks = move_tasks(p.tiles, totals, p.index, any_small);
+  const auto warp = static_cast<std::int32_t>((blockIdx.x * blockDim.x + threadIdx.x) / kWarpSize);
   const auto warps = static_cast<std::int32_t>(gridDim.x * blockDim.x / kWarpSize);
-  for (auto task = static_cast<std::int32_t>((blockIdx.x * blockDim.x + threadIdx.x) / kWarpSize);
-       task < num_tasks; task += warps) {
-    if (task >= num_tiles) {
-      const std::int32_t i = (task - num_tiles) * kWarpSize + lane;
-      if (i < num_small) move_small(p, t, totals, i);
-      continue;
-    }
-    const TileSpan span = tile_span(p.tiles, task);
+  for (std::int32_t tile = warp; tile < tasks.num_tiles;
+       tile = next_index(tile, warps, tasks.num_tiles)) {
+    const TileSpan span = tile_span(p.tiles, tile);
     const std::int32_t src_row = source_of(t, p.layout.num_blocks(), span.row).src_row;
     const std::int64_t row_bytes = p.tiles.row_bytes;
     std::byte* dst = p.tokens.dst + static_cast<std::int64_t>(span.row) * row_bytes + span.begin;
     const std::byte* src =
         src_row < 0 ? nullptr
                     : p.tokens.src + static_cast<std::int64_t>(src_row) * row_bytes + span.begin;
-    warp_move(dst, src, span.bytes, lane);
+    warp_move<Streaming>(dst, src, span.bytes, lane);
+  }
+  const std::int32_t groups = tasks.num_groups();
+  for (std::int32_t group = tasks.first_group(warp, warps); group < groups;
+       group = next_index(group, warps, groups)) {
+    const std::int32_t i = group * kWarpSize + lane;  // at most 2^31 - 1
+    if (i < tasks.num_small) move_small(p, t, totals, i);
   }
 }
 
-template <typename Count>
+template <typename Count, bool Streaming>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) fused_kernel(KernelParams p) {
   extern __shared__ std::int32_t table_words_smem[];
   __shared__ std::int64_t scratch[2 * kWarpSize];
@@ -267,7 +299,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) fused_kernel(KernelParam
     if (blockIdx.x == 0 && threadIdx.x == 0) atomicOr(p.status, totals.status);
     return;
   }
-  move(p, t, totals);
+  move<Streaming>(p, t, totals);
 }
 
 // The workspace of the two-kernel path: Totals (kTotalsBytes), then the tables.
@@ -293,13 +325,16 @@ __global__ void __launch_bounds__(kTablesThreads, 1) tables_kernel(KernelParams 
   }
 }
 
+template <bool Streaming>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) move_kernel(KernelParams p) {
+  // 900 is kProgrammaticArch: the host overlaps the two kernels only where
+  // the code it finds for this kernel was compiled with this wait.
 #if __CUDA_ARCH__ >= 900
   cudaGridDependencySynchronize();
 #endif
   const Totals totals = *totals_at(p.workspace);
   if (totals.status != 0) return;
-  move(p, workspace_tables(p), totals);
+  move<Streaming>(p, workspace_tables(p), totals);
 }
 
 template <typename Kernel>
@@ -307,47 +342,61 @@ cudaError_t occupancy(Kernel kernel, int threads, int& blocks) {
   return cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0);
 }
 
+// Raises the fused kernel's dynamic shared-memory limit and returns its
+// occupancy without shared memory, the smaller of its two store variants.
+template <typename Count>
+cudaError_t fused_limits(int& blocks) {
+  const auto dynamic = static_cast<int>(kMaxFusedSmemBytes);
+  int streaming = 0;
+  cudaError_t error = cudaFuncSetAttribute(fused_kernel<Count, false>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic);
+  if (error == cudaSuccess) {
+    error = cudaFuncSetAttribute(fused_kernel<Count, true>,
+                                 cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic);
+  }
+  if (error == cudaSuccess) error = occupancy(fused_kernel<Count, false>, kThreads, blocks);
+  if (error == cudaSuccess) error = occupancy(fused_kernel<Count, true>, kThreads, streaming);
+  blocks = std::min(blocks, streaming);
+  return error;
+}
+
+template <typename Count, bool Streaming>
+void launch_fused(const KernelParams& params, const LaunchPlan& plan, cudaStream_t stream) {
+  fused_kernel<Count, Streaming>
+      <<<static_cast<unsigned>(plan.grid), kThreads, plan.smem_bytes, stream>>>(params);
+}
+
 }  // namespace
 
 cudaError_t query_limits(int device, DeviceLimits& limits) {
-  int current = 0;
-  cudaError_t error = cudaGetDevice(&current);
-  if (error != cudaSuccess) return error;
-  if (device != current && (error = cudaSetDevice(device)) != cudaSuccess) return error;
   cudaDeviceProp prop;
-  error = cudaGetDeviceProperties(&prop, device);
-  if (error == cudaSuccess) {
-    limits.num_sms = prop.multiProcessorCount;
-    limits.smem_per_sm = prop.sharedMemPerMultiprocessor;
-    limits.reserved_smem_per_block = prop.reservedSharedMemPerBlock;
-    limits.programmatic_launch = prop.major >= 9;
-    const auto dynamic = static_cast<int>(kMaxFusedSmemBytes);
-    error = cudaFuncSetAttribute(fused_kernel<std::int32_t>,
-                                 cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic);
-    if (error == cudaSuccess) {
-      error = cudaFuncSetAttribute(fused_kernel<std::int64_t>,
-                                   cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic);
-    }
-  }
-  if (error == cudaSuccess)
-    error = occupancy(fused_kernel<std::int32_t>, kThreads, limits.fused_occupancy[0]);
-  if (error == cudaSuccess)
-    error = occupancy(fused_kernel<std::int64_t>, kThreads, limits.fused_occupancy[1]);
-  if (error == cudaSuccess) error = occupancy(move_kernel, kThreads, limits.move_occupancy);
-  if (device != current) {
-    const cudaError_t restore = cudaSetDevice(current);
-    if (error == cudaSuccess) error = restore;
-  }
+  cudaError_t error = cudaGetDeviceProperties(&prop, device);
+  if (error != cudaSuccess) return error;
+  limits.num_sms = prop.multiProcessorCount;
+  limits.smem_per_sm = prop.sharedMemPerMultiprocessor;
+  limits.reserved_smem_per_block = prop.reservedSharedMemPerBlock;
+  limits.l2_bytes = static_cast<std::size_t>(prop.l2CacheSize);
+  cudaFuncAttributes move = {};
+  error = cudaFuncGetAttributes(&move, move_kernel<true>);
+  if (error != cudaSuccess) return error;
+  limits.programmatic_launch = programmatic_launch(move.binaryVersion, move.ptxVersion);
+  error = fused_limits<std::int32_t>(limits.fused_occupancy[0]);
+  if (error == cudaSuccess) error = fused_limits<std::int64_t>(limits.fused_occupancy[1]);
+  int streaming = 0;
+  if (error == cudaSuccess) error = occupancy(move_kernel<false>, kThreads, limits.move_occupancy);
+  if (error == cudaSuccess) error = occupancy(move_kernel<true>, kThreads, streaming);
+  limits.move_occupancy = std::min(limits.move_occupancy, streaming);
   return error;
 }
 
 cudaError_t launch(const KernelParams& params, const LaunchPlan& plan, cudaStream_t stream) {
-  const auto grid = static_cast<unsigned>(plan.grid);
   if (plan.fused) {
     if (plan.int64_counts) {
-      fused_kernel<std::int64_t><<<grid, kThreads, plan.smem_bytes, stream>>>(params);
+      plan.streaming ? launch_fused<std::int64_t, true>(params, plan, stream)
+                     : launch_fused<std::int64_t, false>(params, plan, stream);
     } else {
-      fused_kernel<std::int32_t><<<grid, kThreads, plan.smem_bytes, stream>>>(params);
+      plan.streaming ? launch_fused<std::int32_t, true>(params, plan, stream)
+                     : launch_fused<std::int32_t, false>(params, plan, stream);
     }
     return cudaGetLastError();
   }
@@ -359,7 +408,7 @@ cudaError_t launch(const KernelParams& params, const LaunchPlan& plan, cudaStrea
   cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess) return error;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(grid);
+  config.gridDim = dim3(static_cast<unsigned>(plan.grid));
   config.blockDim = dim3(kThreads);
   config.stream = stream;
   cudaLaunchAttribute attribute;
@@ -367,7 +416,8 @@ cudaError_t launch(const KernelParams& params, const LaunchPlan& plan, cudaStrea
   attribute.val.programmaticStreamSerializationAllowed = 1;
   config.attrs = &attribute;
   config.numAttrs = plan.programmatic ? 1 : 0;
-  return cudaLaunchKernelEx(&config, move_kernel, params);
+  return plan.streaming ? cudaLaunchKernelEx(&config, move_kernel<true>, params)
+                        : cudaLaunchKernelEx(&config, move_kernel<false>, params);
 }
 
 }  // namespace moe_reroute::cuda::detail

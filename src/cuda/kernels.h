@@ -36,12 +36,15 @@ struct KernelParams {
   std::int32_t* index_data = nullptr;  // permute_token_idx
   void* expert_token_num = nullptr;    // [E] of the counts dtype; null for the inverse
   bool cumsum = false;
+  bool streaming = false;  // evict-first stores of the token rows (LaunchPlan::streaming)
   std::int32_t* status = nullptr;
   void* workspace = nullptr;  // the two-kernel path: Totals, then the tables
 };
 
-/// Occupancy and shared-memory limits of `device` (also raises the fused
-/// kernels' dynamic shared-memory limit there); restores the current device.
+/// Occupancy, cache and shared-memory limits of `device`, which must be the
+/// current device, and whether its code of the move kernel waits for the
+/// tables kernel (programmatic_launch); also raises the fused kernels'
+/// dynamic shared-memory limit there.
 cudaError_t query_limits(int device, DeviceLimits& limits);
 
 /// Enqueues the call on `stream`; returns the launch error.

@@ -8,8 +8,7 @@
 namespace moe_reroute::cuda {
 
 std::size_t required_workspace_bytes(std::int64_t num_ranks, std::int64_t num_experts) {
-  if (detail::use_fused(num_ranks, num_experts)) return 0;
-  return detail::kTotalsBytes + detail::fused_smem_bytes(num_ranks, num_experts);
+  return detail::workspace_bytes(num_ranks, num_experts, detail::Path::kAuto);
 }
 
 std::string status_message(std::int32_t status) {
@@ -29,6 +28,19 @@ std::string status_message(std::int32_t status) {
 }
 
 namespace detail {
+
+bool programmatic_launch(int binary_version, int ptx_version) {
+  return binary_version >= kProgrammaticArch && ptx_version >= kProgrammaticArch;
+}
+
+bool streaming_stores(std::int64_t output_rows, std::int64_t row_bytes, std::size_t l2_bytes) {
+  return 2 * output_rows * row_bytes > static_cast<std::int64_t>(l2_bytes);
+}
+
+std::size_t workspace_bytes(std::int64_t num_ranks, std::int64_t num_experts, Path path) {
+  if (path == Path::kAuto && use_fused(num_ranks, num_experts)) return 0;
+  return kTotalsBytes + fused_smem_bytes(num_ranks, num_experts);
+}
 
 std::size_t fused_smem_bytes(std::int64_t num_ranks, std::int64_t num_experts) {
   return static_cast<std::size_t>(table_words(num_ranks, num_experts)) * sizeof(std::int32_t);
@@ -85,13 +97,14 @@ int word_width(const void* src, const void* dst, std::int64_t row_bytes) {
 
 LaunchPlan plan_launch(std::int64_t num_ranks, std::int64_t num_experts, bool int64_counts,
                        std::int64_t output_rows, std::int64_t row_bytes,
-                       std::int64_t max_small_tasks, const DeviceLimits& limits) {
+                       std::int64_t max_small_tasks, const DeviceLimits& limits, Path path) {
   LaunchPlan plan;
-  plan.fused = use_fused(num_ranks, num_experts);
+  plan.fused = path == Path::kAuto && use_fused(num_ranks, num_experts);
   plan.int64_counts = int64_counts;
   plan.tiles = tile_shape(output_rows, row_bytes);
   plan.smem_bytes = plan.fused ? fused_smem_bytes(num_ranks, num_experts) : 0;
   plan.programmatic = !plan.fused && limits.programmatic_launch;
+  plan.streaming = streaming_stores(output_rows, row_bytes, limits.l2_bytes);
   const int occupancy =
       plan.fused ? limits.fused_occupancy[int64_counts ? 1 : 0] : limits.move_occupancy;
   plan.grid = grid_size(plan.tiles, output_rows, max_small_tasks,

@@ -392,4 +392,35 @@ MOE_REROUTE_HD SmallTask small_task(const Tables& t, std::int32_t num_blocks,
   return s;
 }
 
+/// The warp tasks of a call's moves, walked grid-stride by warp: the token
+/// tiles (a warp each), then groups of 32 small tasks. Each count fits int32
+/// (tile_shape, small_tasks) but their sum need not (2^31 - 1 rows of up to
+/// 2 KiB are about that many tiles), so they are two walks whose steps stop
+/// at the end instead of wrapping; 64-bit counters would cost the fused
+/// kernel spills.
+struct MoveTasks {
+  std::int32_t num_tiles = 0;
+  std::int32_t num_small = 0;
+  MOE_REROUTE_HD std::int32_t num_groups() const {
+    return num_small / kWarpSize + (num_small % kWarpSize != 0 ? 1 : 0);
+  }
+  /// Where warp `warp` of `warps` starts on the groups: where one walk over
+  /// the tiles and then the groups would take it.
+  MOE_REROUTE_HD std::int32_t first_group(std::int32_t warp, std::int32_t warps) const {
+    return (warp + warps - num_tiles % warps) % warps;
+  }
+};
+
+/// `any_small`: the call has scales, weights or an index to write (else no
+/// small task runs).
+MOE_REROUTE_HD MoveTasks move_tasks(const TileShape& tiles, const Totals& totals,
+                                    const IndexMode& index, bool any_small) {
+  return {totals.output_rows * tiles.tiles_per_row, any_small ? small_tasks(index, totals) : 0};
+}
+
+/// `index` + `step`, or `end` where that would pass it: never past int32.
+MOE_REROUTE_HD std::int32_t next_index(std::int32_t index, std::int32_t step, std::int32_t end) {
+  return index < end - step ? index + step : end;
+}
+
 }  // namespace moe_reroute::cuda::detail

@@ -27,6 +27,7 @@ detail::DeviceLimits h200() {
   limits.reserved_smem_per_block = 1024;
   limits.fused_occupancy[0] = limits.fused_occupancy[1] = 4;
   limits.move_occupancy = 4;
+  limits.l2_bytes = 60 << 20;
   limits.programmatic_launch = true;
   return limits;
 }
@@ -110,6 +111,94 @@ TEST(CudaLaunch, PlansOneLaunchAtDecodeAndTwoPastTheFusedLimit) {
   detail::DeviceLimits a100 = limits;
   a100.programmatic_launch = false;
   EXPECT_FALSE(detail::plan_launch(300, 400, false, 5000, 258, 5000, a100).programmatic);
+}
+
+TEST(CudaLaunch, TheTwoKernelPathRunsAtAnySizeWhenAskedFor) {
+  const detail::DeviceLimits limits = h200();
+  const detail::LaunchPlan split =
+      detail::plan_launch(16, 16, false, 256, 14336, 256, limits, detail::Path::kTwoKernels);
+  EXPECT_FALSE(split.fused);
+  EXPECT_TRUE(split.programmatic);
+  EXPECT_EQ(split.smem_bytes, 0u);
+  EXPECT_EQ(detail::workspace_bytes(16, 16, detail::Path::kTwoKernels),
+            detail::kTotalsBytes + (3 * 256 + 16) * 4u);
+  EXPECT_EQ(detail::workspace_bytes(16, 16, detail::Path::kAuto), 0u);
+  EXPECT_EQ(detail::workspace_bytes(300, 400, detail::Path::kAuto),
+            detail::workspace_bytes(300, 400, detail::Path::kTwoKernels));
+}
+
+// The move kernel waits for the tables kernel only in code compiled for
+// sm_90 and up: the decision follows the code the device runs, not the device.
+TEST(CudaLaunch, ProgrammaticLaunchFollowsTheMoveKernelsCode) {
+  EXPECT_TRUE(detail::programmatic_launch(90, 90));    // sm_90 SASS, or compute_90 PTX on sm_90
+  EXPECT_TRUE(detail::programmatic_launch(100, 90));   // compute_90 PTX JIT-compiled on sm_100
+  EXPECT_FALSE(detail::programmatic_launch(90, 80));   // compute_80 PTX JIT-compiled on sm_90
+  EXPECT_FALSE(detail::programmatic_launch(120, 86));  // compute_86 PTX on sm_120
+  EXPECT_FALSE(detail::programmatic_launch(80, 80));   // an A100
+  EXPECT_FALSE(detail::programmatic_launch(86, 80));   // sm_80 SASS on sm_86
+  EXPECT_EQ(detail::kProgrammaticArch, 90);
+}
+
+TEST(CudaLaunch, StreamingStoresOnlyWhereTheBytesPassTheL2) {
+  const detail::DeviceLimits limits = h200();
+  // Decode, bf16 H = 7168: 3.7 MB written stays in L2 for the grouped GEMM.
+  EXPECT_FALSE(detail::streaming_stores(256, 14336, limits.l2_bytes));
+  EXPECT_FALSE(detail::plan_launch(16, 16, false, 256, 14336, 256, limits).streaming);
+  // Prefill: 235 MB written.
+  EXPECT_TRUE(detail::streaming_stores(16384, 14336, limits.l2_bytes));
+  EXPECT_TRUE(detail::plan_launch(16, 16, false, 16384, 14336, 16384, limits).streaming);
+  // The edge: read and written together against the L2.
+  EXPECT_FALSE(detail::streaming_stores(1, 1024, 2048));
+  EXPECT_TRUE(detail::streaming_stores(1, 1025, 2048));
+}
+
+// Records which CUDA queries call_device makes.
+struct DeviceQueries {
+  bool capturing = false;
+  int stream_device = 1;
+  int asked_capturing = 0;
+  int asked_device = 0;
+  int device_of(const void* stream, int current) {
+    return detail::call_device(
+        stream, current,
+        [this] {
+          ++asked_capturing;
+          return capturing;
+        },
+        [this] {
+          ++asked_device;
+          return stream_device;
+        });
+  }
+};
+
+TEST(CudaDevice, AStreamOfAnotherDeviceRunsThereOutsideCapture) {
+  DeviceQueries q;
+  int stream_object = 0;
+  EXPECT_EQ(q.device_of(&stream_object, 0), 1);
+  EXPECT_EQ(q.asked_capturing, 1);
+  EXPECT_EQ(q.asked_device, 1);
+}
+
+// cudaStreamGetDevice would invalidate the capture: never asked then.
+TEST(CudaDevice, ACapturingStreamIsNeverAskedForItsDevice) {
+  DeviceQueries q;
+  q.capturing = true;
+  int stream_object = 0;
+  EXPECT_EQ(q.device_of(&stream_object, 3), 3);
+  EXPECT_EQ(q.asked_capturing, 1);
+  EXPECT_EQ(q.asked_device, 0);
+}
+
+// The legacy (0 or 1) and per-thread (2) default streams are the current
+// device's; asking whether the legacy stream captures fails while another
+// stream captures in global mode, so neither question is asked.
+TEST(CudaDevice, TheDefaultStreamsRunOnTheCurrentDevice) {
+  for (const std::uintptr_t handle : {0, 1, 2}) {
+    DeviceQueries q;
+    EXPECT_EQ(q.device_of(reinterpret_cast<const void*>(handle), 2), 2);
+    EXPECT_EQ(q.asked_capturing + q.asked_device, 0);
+  }
 }
 
 TEST(CudaWorkspace, IsNeededOnlyPastTheFusedLimit) {

@@ -203,32 +203,44 @@ void emulate(const Case& c, const std::vector<Count>& counts, const std::byte* t
   tiles.row_bytes = c.token_row_bytes;
   tiles.tiles_per_row =
       static_cast<std::int32_t>((c.token_row_bytes + kTileBytes - 1) / kTileBytes);
-  const std::int32_t num_tiles = out.totals.output_rows * tiles.tiles_per_row;
-  for (std::int32_t tile = 0; tile < num_tiles; ++tile) {
-    const TileSpan span = tile_span(tiles, tile);
-    ASSERT_LT(span.row, output_rows);
-    ASSERT_GT(span.bytes, 0);
-    const std::int32_t src_row = source_of(t, l.num_blocks(), span.row).src_row;
-    std::byte* dst = out.tokens.data() + span.row * c.token_row_bytes + span.begin;
-    const std::byte* src =
-        src_row < 0 ? nullptr : tokens + src_row * c.token_row_bytes + span.begin;
-    warp_move(dst, src, span.bytes);
-  }
   const IndexMode index{c.forward, c.gather, static_cast<std::int32_t>(c.expert_rows()),
                         static_cast<std::int32_t>(c.num_tokens)};
   const std::int64_t scale_row_bytes = c.scale_row_bytes > 0 ? c.scale_row_bytes : 4;
-  for (std::int32_t i = 0; i < small_tasks(index, out.totals); ++i) {
-    const SmallTask task = small_task(t, l.num_blocks(), index, out.totals, i);
-    if (task.dst_row >= 0) {
-      ASSERT_LT(task.dst_row, output_rows);
-      if (c.scale_row_bytes > 0 || c.forward) {
-        move_small_row(out.scales.data(), scales, scale_row_bytes, task.dst_row, task.src_row);
-      }
-      if (c.weight) move_small_row(out.weight.data(), weight, 4, task.dst_row, task.src_row);
+  const bool has_scales = c.scale_row_bytes > 0 || c.forward;
+  const MoveTasks tasks = move_tasks(tiles, out.totals, index, has_scales || c.weight || c.forward);
+  // A few warps walk the tasks as the kernels' warps do.
+  constexpr std::int32_t kWarps = 3;
+  for (std::int32_t warp = 0; warp < kWarps; ++warp) {
+    for (std::int32_t tile = warp; tile < tasks.num_tiles;
+         tile = next_index(tile, kWarps, tasks.num_tiles)) {
+      const TileSpan span = tile_span(tiles, tile);
+      ASSERT_LT(span.row, output_rows);
+      ASSERT_GT(span.bytes, 0);
+      const std::int32_t src_row = source_of(t, l.num_blocks(), span.row).src_row;
+      std::byte* dst = out.tokens.data() + span.row * c.token_row_bytes + span.begin;
+      const std::byte* src =
+          src_row < 0 ? nullptr : tokens + src_row * c.token_row_bytes + span.begin;
+      warp_move(dst, src, span.bytes);
     }
-    if (task.index_at >= 0) {
-      ASSERT_LT(task.index_at, static_cast<std::int64_t>(out.index.size()));
-      out.index[static_cast<std::size_t>(task.index_at)] = task.index_value;
+    for (std::int32_t group = tasks.first_group(warp, kWarps); group < tasks.num_groups();
+         group = next_index(group, kWarps, tasks.num_groups())) {
+      for (int lane = 0; lane < kWarpSize; ++lane) {
+        const std::int32_t i = group * kWarpSize + lane;
+        if (i >= tasks.num_small) continue;
+        const SmallTask small = small_task(t, l.num_blocks(), index, out.totals, i);
+        if (small.dst_row >= 0) {
+          ASSERT_LT(small.dst_row, output_rows);
+          if (has_scales) {
+            move_small_row(out.scales.data(), scales, scale_row_bytes, small.dst_row,
+                           small.src_row);
+          }
+          if (c.weight) move_small_row(out.weight.data(), weight, 4, small.dst_row, small.src_row);
+        }
+        if (small.index_at >= 0) {
+          ASSERT_LT(small.index_at, static_cast<std::int64_t>(out.index.size()));
+          out.index[static_cast<std::size_t>(small.index_at)] = small.index_value;
+        }
+      }
     }
   }
 }
@@ -479,6 +491,50 @@ TEST(CudaLayout, TileSpansCoverEachRowOnce) {
       }
     }
     EXPECT_EQ(covered, row_bytes);
+  }
+}
+
+// 2^31 - 1 one-byte rows with a gather index: 2^31 - 1 tiles and as many
+// small tasks, 2^26 warp tasks more, which one int32 walk wrapped into
+// negative tiles. Each walk stops at its end.
+TEST(CudaLayout, MoveTasksNeverPassInt32) {
+  TileShape tiles;
+  tiles.row_bytes = 1;
+  tiles.tiles_per_row = 1;
+  const Totals totals{kInt32Max, kInt32Max, 0};
+  const MoveTasks tasks = move_tasks(tiles, totals, IndexMode{true, true, kInt32Max, kInt32Max}, true);
+  EXPECT_EQ(tasks.num_tiles, kInt32Max);
+  EXPECT_EQ(tasks.num_groups(), 1 << 26);
+  EXPECT_EQ((tasks.num_groups() - 1) * kWarpSize + (kWarpSize - 1), kInt32Max);  // the last i
+  const std::int32_t warps = 132 * 4 * 8;
+  EXPECT_EQ(next_index(kInt32Max - 5, warps, kInt32Max), kInt32Max);
+  EXPECT_EQ(next_index(kInt32Max - warps - 1, warps, kInt32Max), kInt32Max - 1);
+  EXPECT_EQ(next_index(3, warps, 2), 2);
+  // The groups start where one walk over tiles and groups would take each warp.
+  EXPECT_EQ(tasks.first_group(0, warps), (warps - kInt32Max % warps) % warps);
+  EXPECT_EQ(move_tasks(tiles, totals, IndexMode{}, false).num_groups(), 0);
+}
+
+// Every tile and every group is walked by exactly one warp, for any warps.
+TEST(CudaLayout, WarpWalksCoverEachTaskOnce) {
+  for (const std::int32_t warps : {1, 3, 8, 64}) {
+    for (const std::int32_t num_tiles : {0, 1, 7, 64, 100}) {
+      const MoveTasks tasks{num_tiles, 200};
+      std::vector<int> tiles(static_cast<std::size_t>(num_tiles));
+      std::vector<int> groups(static_cast<std::size_t>(tasks.num_groups()));
+      for (std::int32_t warp = 0; warp < warps; ++warp) {
+        for (std::int32_t i = warp; i < num_tiles; i = next_index(i, warps, num_tiles))
+          ++tiles[static_cast<std::size_t>(i)];
+        for (std::int32_t g = tasks.first_group(warp, warps); g < tasks.num_groups();
+             g = next_index(g, warps, tasks.num_groups())) {
+          ++groups[static_cast<std::size_t>(g)];
+          // Its task number in one walk is a multiple of warps past the warp.
+          EXPECT_EQ((num_tiles + g - warp) % warps, 0);
+        }
+      }
+      for (const int n : tiles) EXPECT_EQ(n, 1);
+      for (const int n : groups) EXPECT_EQ(n, 1);
+    }
   }
 }
 
