@@ -3,8 +3,10 @@
 // then timed against cudaMemcpyAsync device-to-device of the same bytes, as
 // plain launches and as CUDA graph replays. Decode-sized shapes rotate over
 // enough buffer sets to pass the 60 MB L2 of an H200, so they time HBM.
-// Prints a table (medians over batches) and writes it as TSV for
-// bench/gpu_check.sh. Needs only the CUDA toolkit and the core library.
+// Rows one256 .. two8192 time decode at N x E = 256, 2048 and 8192 blocks in
+// one launch and in two kernels. Prints a table (medians over batches) and
+// writes it as TSV for bench/gpu_check.sh; a shape that fails is reported
+// and the next one runs. Needs only the CUDA toolkit and the core library.
 //
 // Usage: moe_reroute_gpu_bench [--dry-run] [--reps N] [--tsv FILE] [--no-big]
 
@@ -16,9 +18,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "cuda/api.h"
 #include "moe_reroute/cuda.h"
 #include "reference.h"
 #include "workload.h"
@@ -26,14 +30,15 @@
 namespace {
 
 using namespace moe_reroute;
+using cuda::detail::Path;
 
 constexpr std::size_t kRotationBytes = std::size_t{256} << 20;  // > 4x the H200's L2
 constexpr std::size_t kAlign = 256;
 
+// A failure ends its shape, not the run (main reports it and goes on).
 void check(cudaError_t error, const char* what) {
   if (error != cudaSuccess) {
-    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(error));
-    std::exit(1);
+    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(error));
   }
 }
 
@@ -48,10 +53,16 @@ struct BenchShape {
   DType dtype;
   std::int64_t alignment = 1;
   std::int64_t valid_quarters = 4;  // counts cover this many quarters of A
+  std::int64_t num_ranks = 16;
+  std::int64_t num_experts = 16;
+  Path path = Path::kAuto;
+  const char* blocks = "";  // the cut-off rows: N x E after the name
 };
 
 // Buffer sets a shape rotates over: inputs and outputs of all of them pass
 // kRotationBytes, so no call finds its bytes in L2.
+std::string shape_name(const BenchShape& s) { return std::string(s.name) + s.blocks; }
+
 int planned_sets(const BenchShape& s) {
   const std::int64_t rows = s.alignment == 1 ? s.num_tokens : s.num_tokens + 16 * (s.alignment - 1);
   const auto set_bytes = static_cast<std::size_t>(2 * rows * (dtype_bytes(s.dtype, 7168) + 12));
@@ -63,8 +74,8 @@ testing::WorkloadConfig config_for(const BenchShape& s) {
   c.num_tokens = s.num_tokens;
   c.hidden = 7168;
   c.token_dtype = s.dtype;
-  c.num_ranks = 16;
-  c.num_experts = 16;
+  c.num_ranks = s.num_ranks;
+  c.num_experts = s.num_experts;
   c.seed = 42;
   c.attributes.expert_alignment = s.alignment;
   if (s.valid_quarters != 4) {
@@ -80,6 +91,8 @@ testing::WorkloadConfig config_for(const BenchShape& s) {
 struct DeviceSet {
   std::byte* in = nullptr;
   std::byte* out = nullptr;
+  void* workspace = nullptr;
+  Path path = Path::kAuto;
   std::size_t out_bytes = 0;
   RerouteInputs inputs;
   RerouteOutputs outputs;
@@ -108,8 +121,12 @@ std::size_t outputs_bytes(testing::Workload& w) {
          aligned(h.permute_topk_weight.nbytes()) + 2 * kAlign;
 }
 
-DeviceSet make_set(testing::Workload& w, std::int64_t valid_rows) {
+DeviceSet make_set(testing::Workload& w, std::int64_t valid_rows, Path path) {
   DeviceSet s;
+  s.path = path;
+  const std::size_t workspace_bytes =
+      cuda::detail::workspace_bytes(w.config().num_ranks, w.config().num_experts, path);
+  if (workspace_bytes > 0) check(cudaMalloc(&s.workspace, workspace_bytes), "cudaMalloc workspace");
   const std::size_t in_bytes = inputs_bytes(w);
   s.out_bytes = outputs_bytes(w);
   check(cudaMalloc(&s.in, in_bytes), "cudaMalloc inputs");
@@ -138,7 +155,7 @@ DeviceSet make_set(testing::Workload& w, std::int64_t valid_rows) {
   s.outputs.permute_topk_weight = moved(o.permute_topk_weight, next);
   auto* status = reinterpret_cast<std::int32_t*>(next);
   check(cudaMemset(status, 0, sizeof(std::int32_t)), "cudaMemset status");
-  s.context = {nullptr, status, nullptr, 0};
+  s.context = {nullptr, status, s.workspace, workspace_bytes};
   // The bytes of the valid rows of tokens, scales and weight, read once.
   const std::int64_t row_bytes = h.tokens.nbytes() / std::max<std::int64_t>(h.tokens.shape()[0], 1);
   s.copy_bytes = static_cast<std::size_t>(valid_rows * (row_bytes + 8));
@@ -160,13 +177,15 @@ std::int32_t read_status(const DeviceSet& s) {
 // One call on poisoned outputs against the naive reference: "" or the first difference.
 std::string verify(testing::Workload& w, DeviceSet& s, const Attributes& attributes,
                    cudaStream_t stream) {
-  // Everything but the status word, which follows the outputs.
+  // Everything but the status word, which follows the outputs; on the
+  // call's stream, which does not wait for the legacy one.
   check(
-      cudaMemset(s.out, 0xA5,
-                 static_cast<std::size_t>(reinterpret_cast<std::byte*>(s.context.status) - s.out)),
+      cudaMemsetAsync(
+          s.out, 0xA5,
+          static_cast<std::size_t>(reinterpret_cast<std::byte*>(s.context.status) - s.out), stream),
       "poison");
   s.context.stream = stream;
-  cuda::moe_re_routing(s.inputs, s.outputs, attributes, s.context);
+  cuda::detail::moe_re_routing(s.inputs, s.outputs, attributes, s.context, s.path);
   check(cudaStreamSynchronize(stream), "verify call");
   const std::int32_t status = read_status(s);
   if (status != 0) return "status " + std::to_string(status) + ": " + cuda::status_message(status);
@@ -264,6 +283,17 @@ int main(int argc, char** argv) {
       {"prefill", 16384, DType::kInt8},           {"prefill", 16384, DType::kBFloat16, 128},
       {"prefill", 16384, DType::kBFloat16, 1, 1},
   };
+  // The one-launch / two-launch cut-off: decode at N x E = 256, 2048 and
+  // 8192 blocks, one launch (tables in each CTA's shared memory) against the
+  // tables kernel and the move kernel.
+  for (const auto& [name, ranks, experts] :
+       {std::tuple{"256", 16, 16}, {"2048", 32, 64}, {"8192", 64, 128}}) {
+    for (const Path path : {Path::kAuto, Path::kTwoKernels}) {
+      shapes.push_back(
+          {path == Path::kAuto ? "one" : "two", 256, DType::kBFloat16, 1, 4, ranks, experts, path});
+      shapes.back().blocks = name;
+    }
+  }
   if (options.big) shapes.push_back({"prefill", 163840, DType::kBFloat16});
   std::printf("%-8s %7s %-9s %4s %6s %5s %10s %10s %10s %9s %8s %8s %s\n", "shape", "A", "dtype",
               "k", "valid", "sets", "op_us", "graph_us", "copy_us", "op_GB/s", "vs_copy",
@@ -274,9 +304,9 @@ int main(int argc, char** argv) {
                         static_cast<double>(dtype_bytes(s.dtype, 7168) + 8) / 1e6;
       std::printf(
           "%-8s %7lld %-9s %4lld %5lld%% %5d  (dry run: %.1f MB read a call, not launched)\n",
-          s.name, static_cast<long long>(s.num_tokens), std::string(dtype_name(s.dtype)).c_str(),
-          static_cast<long long>(s.alignment), static_cast<long long>(25 * s.valid_quarters),
-          planned_sets(s), mb);
+          shape_name(s).c_str(), static_cast<long long>(s.num_tokens),
+          std::string(dtype_name(s.dtype)).c_str(), static_cast<long long>(s.alignment),
+          static_cast<long long>(25 * s.valid_quarters), planned_sets(s), mb);
     }
     return 0;
   }
@@ -295,56 +325,64 @@ int main(int argc, char** argv) {
   check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
   int failures = 0;
   for (const BenchShape& shape : shapes) {
-    const testing::WorkloadConfig config = config_for(shape);
-    testing::Workload w(config);
-    const std::int64_t valid =
-        config.num_valid_tokens < 0 ? config.num_tokens : config.num_valid_tokens;
-    const int num_sets = planned_sets(shape);
     std::vector<DeviceSet> sets;
-    for (int i = 0; i < num_sets; ++i) sets.push_back(make_set(w, valid));
-    check(cudaDeviceSynchronize(), "setup");
-    // Verified before it is timed: a wrong kernel fails here, not in the table.
-    const std::string verdict = verify(w, sets[0], config.attributes, stream);
-    failures += verdict.empty() ? 0 : 1;
-    const int reps = shape.num_tokens >= 100000 ? std::max(5, options.reps / 5) : options.reps;
-    const auto call = [&](int i) {
-      DeviceSet& s = sets[static_cast<std::size_t>(i)];
-      s.context.stream = stream;
-      cuda::moe_re_routing(s.inputs, s.outputs, config.attributes, s.context);
-    };
-    const auto copy = [&](int i) {
-      const DeviceSet& s = sets[static_cast<std::size_t>(i)];
-      check(cudaMemcpyAsync(s.out, s.in, s.copy_bytes, cudaMemcpyDeviceToDevice, stream), "copy");
-    };
-    const double op_us = median_us(stream, reps, num_sets, call);
-    std::vector<std::function<void()>> calls;
-    for (int i = 0; i < num_sets; ++i) calls.push_back([&, i] { call(i); });
-    const double graph_us = median_graph_us(stream, reps, calls);
-    const double copy_us = median_us(stream, reps, num_sets, copy);
-    for (const DeviceSet& s : sets) {
-      if (read_status(s) != 0) {
-        failures += 1;
-        std::fprintf(stderr, "status after timing: %d\n", read_status(s));
+    try {
+      const testing::WorkloadConfig config = config_for(shape);
+      testing::Workload w(config);
+      const std::int64_t valid =
+          config.num_valid_tokens < 0 ? config.num_tokens : config.num_valid_tokens;
+      const int num_sets = planned_sets(shape);
+      for (int i = 0; i < num_sets; ++i) sets.push_back(make_set(w, valid, shape.path));
+      check(cudaDeviceSynchronize(), "setup");
+      // Verified before it is timed: a wrong kernel fails here, not in the table.
+      const std::string verdict = verify(w, sets[0], config.attributes, stream);
+      failures += verdict.empty() ? 0 : 1;
+      const int reps = shape.num_tokens >= 100000 ? std::max(5, options.reps / 5) : options.reps;
+      const auto call = [&](int i) {
+        DeviceSet& s = sets[static_cast<std::size_t>(i)];
+        s.context.stream = stream;
+        cuda::detail::moe_re_routing(s.inputs, s.outputs, config.attributes, s.context, s.path);
+      };
+      const auto copy = [&](int i) {
+        const DeviceSet& s = sets[static_cast<std::size_t>(i)];
+        check(cudaMemcpyAsync(s.out, s.in, s.copy_bytes, cudaMemcpyDeviceToDevice, stream), "copy");
+      };
+      const double op_us = median_us(stream, reps, num_sets, call);
+      std::vector<std::function<void()>> calls;
+      for (int i = 0; i < num_sets; ++i) calls.push_back([&, i] { call(i); });
+      const double graph_us = median_graph_us(stream, reps, calls);
+      const double copy_us = median_us(stream, reps, num_sets, copy);
+      for (const DeviceSet& s : sets) {
+        if (read_status(s) != 0) {
+          failures += 1;
+          std::fprintf(stderr, "status after timing: %d\n", read_status(s));
+        }
       }
-    }
-    const double gbps = 2.0 * static_cast<double>(sets[0].copy_bytes) / (op_us * 1e3);
-    const std::string dtype(dtype_name(shape.dtype));
-    const char* ok = verdict.empty() ? "yes" : verdict.c_str();
-    std::printf("%-8s %7lld %-9s %4lld %5lld%% %5d %10.2f %10.2f %10.2f %9.1f %8.3f %8.3f %s\n",
-                shape.name, static_cast<long long>(shape.num_tokens), dtype.c_str(),
-                static_cast<long long>(shape.alignment),
-                static_cast<long long>(25 * shape.valid_quarters), num_sets, op_us, graph_us,
-                copy_us, gbps, copy_us / op_us, copy_us / graph_us, ok);
-    std::fflush(stdout);
-    if (tsv) {
-      std::fprintf(tsv, "%s\t%lld\t%s\t%lld\t%lld\t%.3f\t%.3f\t%.3f\t%s\n", shape.name,
-                   static_cast<long long>(shape.num_tokens), dtype.c_str(),
-                   static_cast<long long>(shape.alignment), static_cast<long long>(valid), op_us,
-                   graph_us, copy_us, verdict.empty() ? "yes" : "NO");
+      const double gbps = 2.0 * static_cast<double>(sets[0].copy_bytes) / (op_us * 1e3);
+      const std::string dtype(dtype_name(shape.dtype));
+      const char* ok = verdict.empty() ? "yes" : verdict.c_str();
+      std::printf("%-8s %7lld %-9s %4lld %5lld%% %5d %10.2f %10.2f %10.2f %9.1f %8.3f %8.3f %s\n",
+                  shape_name(shape).c_str(), static_cast<long long>(shape.num_tokens),
+                  dtype.c_str(), static_cast<long long>(shape.alignment),
+                  static_cast<long long>(25 * shape.valid_quarters), num_sets, op_us, graph_us,
+                  copy_us, gbps, copy_us / op_us, copy_us / graph_us, ok);
+      std::fflush(stdout);
+      if (tsv) {
+        std::fprintf(tsv, "%s\t%lld\t%s\t%lld\t%lld\t%.3f\t%.3f\t%.3f\t%s\n",
+                     shape_name(shape).c_str(), static_cast<long long>(shape.num_tokens),
+                     dtype.c_str(), static_cast<long long>(shape.alignment),
+                     static_cast<long long>(valid), op_us, graph_us, copy_us,
+                     verdict.empty() ? "yes" : "NO");
+      }
+    } catch (const std::exception& error) {
+      failures += 1;
+      std::printf("%-8s %7lld FAILED: %s\n", shape_name(shape).c_str(),
+                  static_cast<long long>(shape.num_tokens), error.what());
     }
     for (const DeviceSet& s : sets) {
       cudaFree(s.in);
       cudaFree(s.out);
+      cudaFree(s.workspace);
     }
   }
   if (tsv) std::fclose(tsv);

@@ -39,7 +39,8 @@ using testing::WorkloadConfig;
 constexpr std::size_t kGuardBytes = 64;
 
 void check(cudaError_t error, const char* what) {
-  if (error != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(error));
+  if (error != cudaSuccess)
+    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(error));
 }
 
 // Device bytes `offset` past a 256-byte aligned allocation, between guard
@@ -94,7 +95,7 @@ TensorView on(const TensorView& host, const DeviceBuffer& buffer) {
 
 // Where a case puts its tensors: byte offsets from 256-byte alignment.
 struct Placement {
-  std::size_t tokens = 0;  // of tokens, scales and weight
+  std::size_t tokens = 0;   // of tokens, scales and weight
   std::size_t outputs = 0;  // of permute_tokens, its scales and weight
 };
 
@@ -114,8 +115,8 @@ class ForwardCall {
         token_idx_(w.token_idx.size(), 0),
         expert_token_num_(w.expert_token_num.size(), 0),
         status_(4, 0),
-        workspace_bytes_(cuda::detail::workspace_bytes(w.config().num_ranks,
-                                                       w.config().num_experts, path)),
+        workspace_bytes_(
+            cuda::detail::workspace_bytes(w.config().num_ranks, w.config().num_experts, path)),
         workspace_(workspace_bytes_, 0) {
     tokens_.upload(w.tokens);
     scales_.upload(w.scales);
@@ -137,11 +138,10 @@ class ForwardCall {
     if (host.per_token_scales) in.per_token_scales = on(*host.per_token_scales, scales_);
     if (host.expert_topk_weight) in.expert_topk_weight = on(*host.expert_topk_weight, weight_);
     const RerouteOutputs o = w_.outputs();
-    const RerouteOutputs out{on(o.permute_tokens, permute_tokens_),
-                             on(o.permute_per_token_scales, permute_scales_),
-                             on(o.permute_token_idx, token_idx_),
-                             on(o.expert_token_num, expert_token_num_),
-                             on(o.permute_topk_weight, permute_weight_)};
+    const RerouteOutputs out{
+        on(o.permute_tokens, permute_tokens_), on(o.permute_per_token_scales, permute_scales_),
+        on(o.permute_token_idx, token_idx_), on(o.expert_token_num, expert_token_num_),
+        on(o.permute_topk_weight, permute_weight_)};
     cuda::detail::moe_re_routing(in, out, w_.config().attributes,
                                  {stream, reinterpret_cast<std::int32_t*>(status_.data()),
                                   workspace_.data(), workspace_bytes_},
@@ -163,8 +163,8 @@ class ForwardCall {
     w_.token_idx = token_idx_.download();
     w_.expert_token_num = expert_token_num_.download();
     const Attributes& a = w_.config().attributes;
-    const std::string diff = w_.compare(testing::reference_reroute(
-        w_.reference_inputs(), a.expert_token_num_type, a.idx_type));
+    const std::string diff = w_.compare(
+        testing::reference_reroute(w_.reference_inputs(), a.expert_token_num_type, a.idx_type));
     return diff.empty() ? guards() : diff;
   }
 
@@ -187,11 +187,16 @@ class ForwardCall {
   }
   std::string guards() const {
     const std::pair<const char*, const DeviceBuffer*> all[] = {
-        {"tokens", &tokens_},           {"scales", &scales_},
-        {"weight", &weight_},           {"counts", &counts_},
-        {"permute_tokens", &permute_tokens_}, {"permute_scales", &permute_scales_},
-        {"permute_weight", &permute_weight_}, {"token_idx", &token_idx_},
-        {"expert_token_num", &expert_token_num_}, {"status", &status_}};
+        {"tokens", &tokens_},
+        {"scales", &scales_},
+        {"weight", &weight_},
+        {"counts", &counts_},
+        {"permute_tokens", &permute_tokens_},
+        {"permute_scales", &permute_scales_},
+        {"permute_weight", &permute_weight_},
+        {"token_idx", &token_idx_},
+        {"expert_token_num", &expert_token_num_},
+        {"status", &status_}};
     for (const auto& [name, buffer] : all) {
       if (std::string bad = buffer->guards(name); !bad.empty()) return bad;
     }
@@ -256,8 +261,8 @@ void forward_case(Verdict& v, const WorkloadConfig& c, cudaStream_t stream, Plac
         call.compare());
 }
 
-WorkloadConfig shape(std::int64_t num_tokens, std::int64_t hidden, DType dtype,
-                     std::int64_t ranks, std::int64_t experts, std::uint64_t seed) {
+WorkloadConfig shape(std::int64_t num_tokens, std::int64_t hidden, DType dtype, std::int64_t ranks,
+                     std::int64_t experts, std::uint64_t seed) {
   WorkloadConfig c;
   c.num_tokens = num_tokens;
   c.hidden = hidden;
@@ -286,8 +291,8 @@ void hidden_sizes(Verdict& v, cudaStream_t stream) {
   std::uint64_t seed = 300;
   for (const DType dtype : {DType::kInt8, DType::kFloat4E2M1, DType::kBFloat16}) {
     for (const std::int64_t h : {1, 7, 385, 3584, 7168}) {
-      WorkloadConfig c = shape(300, dtype == DType::kFloat4E2M1 ? h + h % 2 : h, dtype, 8, 16,
-                               seed++);
+      WorkloadConfig c =
+          shape(300, dtype == DType::kFloat4E2M1 ? h + h % 2 : h, dtype, 8, 16, seed++);
       c.count_dtype = seed % 2 == 0 ? DType::kInt32 : DType::kInt64;
       c.attributes.idx_type = static_cast<int>(seed / 2 % 2);
       c.attributes.expert_token_num_type = static_cast<int>(seed / 4 % 2);
@@ -300,8 +305,8 @@ void hidden_sizes(Verdict& v, cudaStream_t stream) {
 // A = 0, one rank, one expert, one token.
 void edge_shapes(Verdict& v, cudaStream_t stream) {
   std::uint64_t seed = 400;
-  for (const auto& [a, n, e] : {std::tuple{0, 4, 4}, {0, 1, 1}, {100, 1, 16}, {100, 16, 1},
-                                {1, 1, 1}, {1, 8, 8}}) {
+  for (const auto& [a, n, e] :
+       {std::tuple{0, 4, 4}, {0, 1, 1}, {100, 1, 16}, {100, 16, 1}, {1, 1, 1}, {1, 8, 8}}) {
     for (const DType counts : {DType::kInt32, DType::kInt64}) {
       WorkloadConfig c = shape(a, 7168, DType::kBFloat16, n, e, seed++);
       c.count_dtype = counts;
@@ -382,13 +387,13 @@ void inverses(Verdict& v, cudaStream_t stream) {
       const InverseInputs in{TensorView(tokens.data(), dtype, {rows, c.hidden}),
                              TensorView(counts.data(), c.count_dtype, {4, 8}), std::nullopt,
                              TensorView(weight.data(), DType::kFloat32, {rows, 1})};
-      const InverseOutputs out{TensorView(restored.data(), dtype, {c.num_tokens, c.hidden}),
-                               std::nullopt,
-                               TensorView(restored_weight.data(), DType::kFloat32, {c.num_tokens, 1})};
-      cuda::detail::moe_re_routing_inverse(
-          in, out, c.attributes,
-          {stream, reinterpret_cast<std::int32_t*>(status.data()), workspace.data(), workspace_bytes},
-          path);
+      const InverseOutputs out{
+          TensorView(restored.data(), dtype, {c.num_tokens, c.hidden}), std::nullopt,
+          TensorView(restored_weight.data(), DType::kFloat32, {c.num_tokens, 1})};
+      cuda::detail::moe_re_routing_inverse(in, out, c.attributes,
+                                           {stream, reinterpret_cast<std::int32_t*>(status.data()),
+                                            workspace.data(), workspace_bytes},
+                                           path);
       check(cudaStreamSynchronize(stream), "inverse");
       testing::ReferenceInputs ref;
       ref.num_ranks = 4;
@@ -408,7 +413,8 @@ void inverses(Verdict& v, cudaStream_t stream) {
         diff = testing::rows_difference("restored_topk_weight", got_weight.data(),
                                         got_weight.size(), want.weight, want.specified_rows, 4);
       }
-      if (diff.empty()) diff = restored.guards("restored_tokens") + restored_weight.guards("restored_topk_weight");
+      if (diff.empty())
+        diff = restored.guards("restored_tokens") + restored_weight.guards("restored_topk_weight");
       v.add("inverse " + describe(c) + (path == Path::kTwoKernels ? " two kernels" : ""), diff);
     }
   }
@@ -478,8 +484,8 @@ void bad_counts(Verdict& v, cudaStream_t stream) {
 // static shapes on one of them.
 void graph_replays(Verdict& v, cudaStream_t stream) {
   std::uint64_t seed = 900;
-  for (const auto& [n, e, static_shapes] : {std::tuple{8, 16, false}, {64, 512, false},
-                                            {8, 16, true}, {64, 512, true}}) {
+  for (const auto& [n, e, static_shapes] :
+       {std::tuple{8, 16, false}, {64, 512, false}, {8, 16, true}, {64, 512, true}}) {
     WorkloadConfig c = shape(4000, 7168, DType::kInt8, n, e, seed++);
     if (static_shapes) {
       c.attributes.expert_alignment = 128;

@@ -4,6 +4,8 @@
 // allocates or reads device memory; the device's limits are queried once per
 // device.
 
+#include "api.h"
+
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -14,7 +16,6 @@
 
 #include "../call.h"
 #include "../check.h"
-#include "api.h"
 #include "kernels.h"
 #include "launch.h"
 #include "moe_reroute/cuda.h"
@@ -197,10 +198,9 @@ void enqueue(detail::KernelParams& p, DType count_dtype, std::int64_t output_row
   const std::int64_t max_small = !p.index.present ? output_rows
                                  : p.index.gather ? p.index.output_rows
                                                   : p.index.output_rows + p.index.input_rows;
-  const detail::LaunchPlan plan =
-      detail::plan_launch(p.layout.num_ranks, p.layout.num_experts, count_dtype == DType::kInt64,
-                          output_rows, p.tokens.row_bytes, max_small,
-                          device_limits(device.device()), path);
+  const detail::LaunchPlan plan = detail::plan_launch(
+      p.layout.num_ranks, p.layout.num_experts, count_dtype == DType::kInt64, output_rows,
+      p.tokens.row_bytes, max_small, device_limits(device.device()), path);
   p.tiles = plan.tiles;
   p.streaming = plan.streaming;
   check_cuda(detail::launch(p, plan, stream), "kernel launch");

@@ -346,7 +346,8 @@ TEST_F(CudaValidation, RefusesEveryPairingTheTableRefuses) {
   for (const DType plain : {DType::kFloat16, DType::kBFloat16, DType::kInt8, DType::kHiFloat8,
                             DType::kFloat32, DType::kUInt8}) {
     refused.push_back({plain, DType::kFloat32, ak2});
-    for (const Shape& tail : {Shape{}, Shape{3}, ak2}) refused.push_back({plain, DType::kFloat8E8M0, tail});
+    for (const Shape& tail : {Shape{}, Shape{3}, ak2})
+      refused.push_back({plain, DType::kFloat8E8M0, tail});
   }
   for (const DType fp4 : {DType::kFloat4E2M1, DType::kFloat4E1M2}) {
     refused.push_back({fp4, DType::kFloat32, ak2});
@@ -356,11 +357,13 @@ TEST_F(CudaValidation, RefusesEveryPairingTheTableRefuses) {
   std::vector<std::byte> scales(kRows * 16);
   for (const Refused& r : refused) {
     Shape shape{kRows};
-    for (int d = 0; d < r.tail.ndim; ++d) shape.dims[static_cast<std::size_t>(shape.ndim++)] = r.tail[d];
+    for (int d = 0; d < r.tail.ndim; ++d)
+      shape.dims[static_cast<std::size_t>(shape.ndim++)] = r.tail[d];
     inputs_.tokens = TensorView(inputs_.tokens.data, r.tokens, {kRows, 4});
     outputs_.permute_tokens = TensorView(outputs_.permute_tokens.data, r.tokens, {kRows, 4});
     inputs_.per_token_scales = TensorView(scales.data(), r.scales, shape);
-    outputs_.permute_per_token_scales = TensorView(outputs_.permute_per_token_scales.data, r.scales, shape);
+    outputs_.permute_per_token_scales =
+        TensorView(outputs_.permute_per_token_scales.data, r.scales, shape);
     try {
       moe_re_routing(inputs_, outputs_, {}, context_);
       ADD_FAILURE() << "no error for " << dtype_name(r.tokens) << " tokens with "

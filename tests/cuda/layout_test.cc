@@ -502,7 +502,8 @@ TEST(CudaLayout, MoveTasksNeverPassInt32) {
   tiles.row_bytes = 1;
   tiles.tiles_per_row = 1;
   const Totals totals{kInt32Max, kInt32Max, 0};
-  const MoveTasks tasks = move_tasks(tiles, totals, IndexMode{true, true, kInt32Max, kInt32Max}, true);
+  const MoveTasks tasks =
+      move_tasks(tiles, totals, IndexMode{true, true, kInt32Max, kInt32Max}, true);
   EXPECT_EQ(tasks.num_tiles, kInt32Max);
   EXPECT_EQ(tasks.num_groups(), 1 << 26);
   EXPECT_EQ((tasks.num_groups() - 1) * kWarpSize + (kWarpSize - 1), kInt32Max);  // the last i
