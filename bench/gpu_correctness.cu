@@ -497,8 +497,10 @@ void graph_replays(Verdict& v, cudaStream_t stream) {
     const ForwardCall call(w, {}, Path::kAuto);
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
+    const bool before = cuda::stream_is_capturing(stream);
     check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
     try {
+      v.add("stream_is_capturing", before || !cuda::stream_is_capturing(stream) ? "wrong" : "");
       call.enqueue(stream);
     } catch (...) {
       cudaStreamEndCapture(stream, &graph);
