@@ -280,7 +280,8 @@ int main(int argc, char** argv) {
       {"decode", 256, DType::kBFloat16},          {"decode", 256, DType::kInt8},
       {"decode", 256, DType::kBFloat16, 1, 1},    {"decode", 256, DType::kBFloat16, 128, 1},
       {"decode", 256, DType::kBFloat16, 128},     {"prefill", 16384, DType::kBFloat16},
-      {"prefill", 16384, DType::kInt8},           {"prefill", 16384, DType::kBFloat16, 128},
+      {"prefill", 16384, DType::kInt8},
+      {"prefill", 16384, DType::kFloat4E2M1},           {"prefill", 16384, DType::kBFloat16, 128},
       {"prefill", 16384, DType::kBFloat16, 1, 1},
   };
   // The one-launch / two-launch cut-off: decode at N x E = 256, 2048 and
