@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "options.h"
 
@@ -21,6 +22,29 @@ struct RunOptions {
 
 int run_command(const RunOptions& options);
 int inverse_command(const RunOptions& options);
+
+/// `init-routing` and `finalize-routing`: the operator on .npy files, named by
+/// the inputs of its description (`paths`, in their order; empty: absent).
+struct InitRoutingOptions {
+  std::vector<std::string> paths;
+  std::string x_dtype;
+  InitRoutingAttributes attributes;
+  int threads = 0;
+  std::string out;
+};
+
+/// `expanded_x_dtype` names the dtype of expanded_x and of x1, x2 and bias,
+/// which have expanded_x's dtype.
+struct FinalizeRoutingOptions {
+  std::vector<std::string> paths;
+  std::string expanded_x_dtype, scales_dtype;
+  FinalizeRoutingAttributes attributes;
+  int threads = 0;
+  std::string out;
+};
+
+int init_routing_command(const InitRoutingOptions& options);
+int finalize_routing_command(const FinalizeRoutingOptions& options);
 
 struct GenOptions {
   WorkloadOptions workload;

@@ -98,9 +98,10 @@ std::string flag_name(std::string_view name) {
   return flag;
 }
 
-void add_attribute_options(CLI::App& command, const OperatorDesc& op, Attributes& attributes,
+template <typename A>
+void add_attribute_options(CLI::App& command, const OperatorDescOf<A>& op, A& attributes,
                            bool with_flags, std::string* dtype_name) {
-  for (const AttributeDesc& attribute : op.attributes) {
+  for (const AttributeDescOf<A>& attribute : op.attributes) {
     const std::string flag = flag_name(attribute.name);
     const std::string help(attribute.help);
     if (attribute.kind == AttributeKind::kInt) {
@@ -112,6 +113,13 @@ void add_attribute_options(CLI::App& command, const OperatorDesc& op, Attributes
     }
   }
 }
+
+template void add_attribute_options(CLI::App&, const OperatorDesc&, Attributes&, bool,
+                                    std::string*);
+template void add_attribute_options(CLI::App&, const InitRoutingDesc&, InitRoutingAttributes&,
+                                    bool, std::string*);
+template void add_attribute_options(CLI::App&, const FinalizeRoutingDesc&,
+                                    FinalizeRoutingAttributes&, bool, std::string*);
 
 void add_workload_options(CLI::App& command, WorkloadOptions& w) {
   add_int_option(command, "--tokens", w.tokens, "A, tokens")->capture_default_str();

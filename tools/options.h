@@ -27,7 +27,9 @@ std::string flag_name(std::string_view name);
 /// One option per int attribute of `op` (and, with `with_flags`, a flag per
 /// bool attribute), named and described by the operator's description, into
 /// `attributes`; `dtype_name`, where given, takes the dtype-name attribute.
-void add_attribute_options(CLI::App& command, const OperatorDesc& op, Attributes& attributes,
+/// Defined for the attribute structs of reroute.h and routing.h.
+template <typename A>
+void add_attribute_options(CLI::App& command, const OperatorDescOf<A>& op, A& attributes,
                            bool with_flags, std::string* dtype_name);
 
 /// --threads N, N >= 0 (0 = all hardware threads).

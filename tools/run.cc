@@ -8,15 +8,10 @@
 
 #include "commands.h"
 #include "moe_reroute/reroute.h"
-#include "npy.h"
-#include "output_set.h"
+#include "operator_files.h"
 
 namespace moe_reroute::tools {
 namespace {
-
-std::optional<std::string> given(const std::string& value) {
-  return value.empty() ? std::nullopt : std::optional(value);
-}
 
 struct LoadedInputs {
   LoadedTensor tokens, counts;
@@ -24,43 +19,11 @@ struct LoadedInputs {
 };
 
 LoadedInputs load_inputs(const RunOptions& o) {
-  LoadedInputs in{load_tensor(o.tokens, "tokens", given(o.tokens_dtype), "--tokens-dtype"),
-                  load_tensor(o.counts, "expert_token_num_per_rank", std::nullopt, ""),
-                  std::nullopt, std::nullopt};
-  if (!o.scales.empty()) {
-    in.scales = load_tensor(o.scales, "per_token_scales", given(o.scales_dtype), "--scales-dtype");
-  } else if (!o.scales_dtype.empty()) {
-    throw Error(ErrorCode::kInvalidArgument, "per_token_scales: --scales-dtype needs --scales");
-  }
-  if (!o.topk_weight.empty()) {
-    in.weight = load_tensor(o.topk_weight, "expert_topk_weight", std::nullopt, "");
-  }
-  return in;
-}
-
-std::optional<TensorView> view_of(const std::optional<LoadedTensor>& loaded) {
-  return loaded ? std::optional(loaded->view) : std::nullopt;
-}
-
-// Output buffers for the plan's output specs, in their order.
-struct OutputBuffers {
-  std::vector<std::vector<std::byte>> bytes;
-  std::vector<TensorView> views;
-
-  explicit OutputBuffers(const std::vector<TensorSpec>& specs) {
-    bytes.reserve(specs.size());
-    for (const TensorSpec& spec : specs) {
-      bytes.emplace_back(static_cast<std::size_t>(spec.nbytes()));
-      views.emplace_back(bytes.back().data(), spec.dtype, spec.shape);
-    }
-  }
-};
-
-void write_outputs(const std::string& dir, const std::vector<std::string>& names,
-                   const std::vector<TensorView>& views) {
-  OutputSet out(dir);
-  for (std::size_t i = 0; i < names.size(); ++i) out.add(names[i], views[i]);
-  out.commit();
+  check_named_file(o.scales, o.scales_dtype, "per_token_scales", "--scales", "--scales-dtype");
+  return {load_tensor(o.tokens, "tokens", given(o.tokens_dtype), "--tokens-dtype"),
+          load_tensor(o.counts, "expert_token_num_per_rank", std::nullopt, ""),
+          load_optional(o.scales, "per_token_scales", o.scales_dtype, "--scales-dtype"),
+          load_optional(o.topk_weight, "expert_topk_weight", "", "")};
 }
 
 }  // namespace
@@ -73,10 +36,7 @@ int run_command(const RunOptions& o) {
   OutputBuffers buffers(plan.output_specs());
   const std::vector<TensorView>& v = buffers.views;
   run_reroute(plan, inputs, {v[0], v[1], v[2], v[3], v[4]});
-  write_outputs(o.out,
-                {"permute_tokens.npy", "permute_per_token_scales.npy", "permute_token_idx.npy",
-                 "expert_token_num.npy", "permute_topk_weight.npy"},
-                v);
+  write_outputs(o.out, reroute_desc().outputs, v);
   return 0;
 }
 
@@ -95,9 +55,7 @@ int inverse_command(const RunOptions& o) {
   // An absent output is written too, as the empty (0,) float32 file `run`
   // writes for its weight, so no earlier run's file stays beside this run's.
   const TensorView absent(nullptr, DType::kFloat32, Shape{0});
-  write_outputs(o.out,
-                {"restored_tokens.npy", "restored_per_token_scales.npy",
-                 "restored_topk_weight.npy"},
+  write_outputs(o.out, inverse_desc().outputs,
                 {outputs.restored_tokens, outputs.restored_per_token_scales.value_or(absent),
                  outputs.restored_topk_weight.value_or(absent)});
   return 0;
