@@ -1,0 +1,691 @@
+// moe-reroute init-routing and finalize-routing end to end: random inputs
+// written as .npy files, every output byte compared with a naive reference
+// written here, and every bad input refused with exit status 2, one `error:`
+// line naming the argument, and the earlier outputs left as they were.
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "moe_reroute/routing.h"
+#include "npy.h"
+#include "program.h"
+
+namespace moe_reroute::tools {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+
+Result run_cli(const std::vector<std::string>& args) { return run_program(MOE_REROUTE_CLI, args); }
+
+std::int64_t elements(const std::vector<std::int64_t>& shape) {
+  std::int64_t count = 1;
+  for (std::int64_t d : shape) count *= d;
+  return count;
+}
+
+std::int64_t itemsize(const std::string& descr) { return std::stoll(descr.substr(2)); }
+
+std::string save(const std::filesystem::path& path, const NpyArray& array) {
+  write_npy(path, array.descr, array.shape, array.data.data(), array.data.size(), "test");
+  return path.string();
+}
+
+template <typename Int>
+NpyArray int_array(const std::vector<std::int64_t>& values, std::vector<std::int64_t> shape) {
+  NpyArray array{sizeof(Int) == 8 ? "<i8" : "<i4", std::move(shape), {}};
+  array.data.resize(values.size() * sizeof(Int));
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    const Int value = static_cast<Int>(values[i]);
+    std::memcpy(array.data.data() + i * sizeof(Int), &value, sizeof(Int));
+  }
+  return array;
+}
+
+std::vector<std::int64_t> int_values(const NpyArray& array) {
+  std::vector<std::int64_t> values;
+  const std::size_t size = static_cast<std::size_t>(itemsize(array.descr));
+  for (std::size_t i = 0; i < array.data.size(); i += size) {
+    std::int64_t value = 0;
+    if (size == 8) {
+      std::memcpy(&value, array.data.data() + i, 8);
+    } else {
+      std::int32_t value32 = 0;
+      std::memcpy(&value32, array.data.data() + i, 4);
+      value = value32;
+    }
+    values.push_back(value);
+  }
+  return values;
+}
+
+// The float dtypes of finalize-routing, by name: the .npy storage and the
+// conversions of the contract (to float32 exactly, back rounding to nearest even).
+std::string float_descr(const std::string& dtype) {
+  return dtype == "float32" ? "<f4" : dtype == "float16" ? "<f2" : "<u2";
+}
+
+float load_float(const std::byte* p, const std::string& dtype) {
+  if (dtype == "float32") {
+    float value = 0;
+    std::memcpy(&value, p, 4);
+    return value;
+  }
+  std::uint16_t bits = 0;
+  std::memcpy(&bits, p, 2);
+  if (dtype == "float16") {
+    _Float16 half = 0;
+    std::memcpy(&half, &bits, 2);
+    return static_cast<float>(half);
+  }
+  const std::uint32_t wide = std::uint32_t{bits} << 16;
+  float value = 0;
+  std::memcpy(&value, &wide, 4);
+  return value;
+}
+
+void store_float(float value, std::byte* p, const std::string& dtype) {
+  if (dtype == "float32") {
+    std::memcpy(p, &value, 4);
+  } else if (dtype == "float16") {
+    const _Float16 half = static_cast<_Float16>(value);
+    std::memcpy(p, &half, 2);
+  } else {
+    std::uint32_t bits = 0;
+    std::memcpy(&bits, &value, 4);
+    const std::uint16_t rounded =
+        static_cast<std::uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+    std::memcpy(p, &rounded, 2);
+  }
+}
+
+NpyArray random_floats(std::mt19937_64& rng, const std::string& dtype,
+                       std::vector<std::int64_t> shape, float bound) {
+  NpyArray array{float_descr(dtype), std::move(shape), {}};
+  const std::int64_t size = itemsize(array.descr);
+  array.data.resize(static_cast<std::size_t>(elements(array.shape) * size));
+  std::uniform_real_distribution<float> value(-bound, bound);
+  for (std::int64_t i = 0; i < elements(array.shape); ++i) {
+    store_float(value(rng), array.data.data() + i * size, dtype);
+  }
+  return array;
+}
+
+// Expert ids in [0, num_ids), skewed towards 0 as `skew` grows.
+std::vector<std::int64_t> random_ids(std::mt19937_64& rng, std::int64_t count,
+                                     std::int64_t num_ids, double skew) {
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  std::vector<std::int64_t> ids(static_cast<std::size_t>(count));
+  for (std::int64_t& id : ids) {
+    id = std::min(num_ids - 1, static_cast<std::int64_t>(num_ids * std::pow(u(rng), 1.0 + skew)));
+  }
+  return ids;
+}
+
+// A naive moe_init_routing (docs/spec.md), rows moved as bytes.
+struct InitExpected {
+  NpyArray expanded_x, expanded_row_idx, expert_tokens_count_or_cumsum,
+      expert_tokens_before_capacity;
+};
+
+InitExpected reference_init(const NpyArray& x, const std::vector<std::int64_t>& ids,
+                            std::int64_t k, const InitRoutingAttributes& a) {
+  const std::int64_t num_tokens = x.shape[0], n = num_tokens * k;
+  const std::int64_t row_bytes = static_cast<std::int64_t>(x.data.size()) / std::max<std::int64_t>(num_tokens, 1);
+  std::vector<std::int64_t> order(static_cast<std::size_t>(n));
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](std::int64_t p, std::int64_t q) { return ids[p] < ids[q]; });
+  std::vector<std::int64_t> row_idx(static_cast<std::size_t>(n), -1), counts(a.expert_num, 0);
+  for (std::int64_t id : ids) {
+    if (id < a.expert_num) ++counts[id];
+  }
+  std::vector<std::int64_t> x_shape(x.shape.begin() + 1, x.shape.end());
+  std::vector<std::byte> rows;
+  std::vector<std::int64_t> count_or_cumsum, before_capacity;
+  const auto copy_row = [&](std::int64_t dst, std::int64_t p) {
+    std::memcpy(rows.data() + dst * row_bytes, x.data.data() + p / k * row_bytes, row_bytes);
+  };
+  if (a.drop_pad_mode == kDropless) {
+    const std::int64_t num_rows = a.active_num == 0 ? n : std::min(a.active_num, n);
+    rows.resize(static_cast<std::size_t>(num_rows * row_bytes));
+    for (std::int64_t i = 0; i < n; ++i) {
+      row_idx[order[i]] = i;
+      if (i < num_rows) copy_row(i, order[i]);
+    }
+    x_shape.insert(x_shape.begin(), num_rows);
+    if (a.expert_tokens_count_or_cumsum_flag != kExpertTokensNone) count_or_cumsum = counts;
+    if (a.expert_tokens_count_or_cumsum_flag == kExpertTokensCumsum) {
+      std::partial_sum(counts.begin(), counts.end(), count_or_cumsum.begin());
+    }
+  } else {
+    const std::int64_t capacity = a.expert_capacity;
+    rows.resize(static_cast<std::size_t>(a.expert_num * capacity * row_bytes));
+    std::vector<std::int64_t> seen(a.expert_num, 0);
+    for (std::int64_t p : order) {
+      const std::int64_t c = seen[ids[p]]++;
+      if (c < capacity) {
+        row_idx[p] = ids[p] * capacity + c;
+        copy_row(row_idx[p], p);
+      }
+    }
+    x_shape.insert(x_shape.begin(), {a.expert_num, capacity});
+    if (a.expert_tokens_before_capacity_flag) before_capacity = counts;
+  }
+  const auto int32 = [](const std::vector<std::int64_t>& values) {
+    return int_array<std::int32_t>(values, {static_cast<std::int64_t>(values.size())});
+  };
+  return {NpyArray{x.descr, x_shape, rows}, int32(row_idx), int32(count_or_cumsum),
+          int32(before_capacity)};
+}
+
+// A naive moe_finalize_routing: the contract's float32 steps, one at a time.
+struct FinalizeInputs {
+  std::string dtype, scales_dtype;
+  std::int64_t mode = 0;
+  NpyArray expanded_x, expanded_row_idx;
+  std::optional<NpyArray> x1, x2, bias, scales, expert_idx;
+};
+
+NpyArray reference_finalize(const FinalizeInputs& in, std::int64_t num_tokens,
+                            std::int64_t hidden) {
+  const std::int64_t k = in.scales ? in.scales->shape[1] : 1;
+  const bool capacity = in.mode == kFinalizeColumnMajorCapacity ||
+                        in.mode == kFinalizeRowMajorCapacity;
+  const bool column_major = in.mode == kFinalizeColumnMajor ||
+                            in.mode == kFinalizeColumnMajorCapacity;
+  const std::int64_t num_rows = elements(in.expanded_x.shape) / hidden;
+  const std::int64_t size = itemsize(in.expanded_x.descr);
+  const std::vector<std::int64_t> row_idx = int_values(in.expanded_row_idx);
+  const std::vector<std::int64_t> expert_idx =
+      in.expert_idx ? int_values(*in.expert_idx) : std::vector<std::int64_t>{};
+  const auto at = [&](const NpyArray& array, std::int64_t row, std::int64_t h) {
+    return load_float(array.data.data() + (row * hidden + h) * size, in.dtype);
+  };
+  NpyArray out{in.expanded_x.descr, {num_tokens, hidden}, {}};
+  out.data.resize(static_cast<std::size_t>(num_tokens * hidden * size));
+  for (std::int64_t t = 0; t < num_tokens; ++t) {
+    for (std::int64_t h = 0; h < hidden; ++h) {
+      float y = 0.0f;
+      if (in.x1) y = at(*in.x1, t, h);
+      if (in.x2) y = y + at(*in.x2, t, h);
+      for (std::int64_t j = 0; j < k; ++j) {
+        const std::int64_t row = row_idx[column_major ? j * num_tokens + t : t * k + j];
+        if (capacity ? row == -1 : row >= num_rows) continue;
+        float v = at(in.expanded_x, row, h);
+        if (in.bias) v = v + at(*in.bias, expert_idx[t * k + j], h);
+        if (in.scales) {
+          const std::int64_t scale_size = itemsize(in.scales->descr);
+          v = v * load_float(in.scales->data.data() + (t * k + j) * scale_size, in.scales_dtype);
+        }
+        y = y + v;
+      }
+      store_float(y, out.data.data() + (t * hidden + h) * size, in.dtype);
+    }
+  }
+  return out;
+}
+
+void expect_array(const NpyArray& got, const NpyArray& expected, const std::string& name) {
+  EXPECT_EQ(got.descr, expected.descr) << name;
+  EXPECT_EQ(got.shape, expected.shape) << name;
+  EXPECT_TRUE(got.data == expected.data) << name << ": bytes differ from the reference";
+}
+
+std::set<std::string> file_names(std::initializer_list<const char*> outputs) {
+  std::set<std::string> names;
+  for (const char* output : outputs) names.insert(std::string(output) + ".npy");
+  return names;
+}
+
+struct InitCase {
+  std::string name;
+  std::string dtype, descr;  // x's dtype name and .npy storage
+  std::int64_t num_tokens = 0, k = 1, stored_hidden = 1;
+  InitRoutingAttributes attributes;
+  bool int64_ids = false;
+  double skew = 0.0;
+  std::int64_t num_ids = 0;  // the ids' range where expert_num is 0
+};
+
+class InitRouting : public ::testing::TestWithParam<InitCase> {};
+
+TEST_P(InitRouting, MatchesTheReference) {
+  const InitCase& c = GetParam();
+  const InitRoutingAttributes& a = c.attributes;
+  std::mt19937_64 rng(std::hash<std::string>{}(c.name));
+  const TestDir dir;
+  NpyArray x{c.descr, {c.num_tokens, c.stored_hidden}, {}};
+  x.data.resize(static_cast<std::size_t>(c.num_tokens * c.stored_hidden * itemsize(c.descr)));
+  for (std::byte& b : x.data) b = static_cast<std::byte>(rng());
+  const std::vector<std::int64_t> ids =
+      random_ids(rng, c.num_tokens * c.k, a.expert_num > 0 ? a.expert_num : c.num_ids, c.skew);
+  const NpyArray expert_idx = c.int64_ids ? int_array<std::int64_t>(ids, {c.num_tokens, c.k})
+                                          : int_array<std::int32_t>(ids, {c.num_tokens, c.k});
+
+  std::vector<std::string> args = {"init-routing",
+                                   "--x",
+                                   save(dir / "x.npy", x),
+                                   "--expert-idx",
+                                   save(dir / "expert_idx.npy", expert_idx),
+                                   "--active-num",
+                                   std::to_string(a.active_num),
+                                   "--expert-capacity",
+                                   std::to_string(a.expert_capacity),
+                                   "--expert-num",
+                                   std::to_string(a.expert_num),
+                                   "--drop-pad-mode",
+                                   std::to_string(a.drop_pad_mode),
+                                   "--expert-tokens-count-or-cumsum-flag",
+                                   std::to_string(a.expert_tokens_count_or_cumsum_flag),
+                                   "--out",
+                                   (dir / "out").string()};
+  if (a.expert_tokens_before_capacity_flag) args.push_back("--expert-tokens-before-capacity-flag");
+  if (c.descr == "<u2" || (c.descr == "|u1" && c.dtype != "uint8")) {
+    args.insert(args.end(), {"--x-dtype", c.dtype});
+  }
+  const Result result = run_cli(args);
+  ASSERT_EQ(result.status, 0) << result.err;
+  EXPECT_EQ(result.err, "");
+
+  EXPECT_EQ(listing(dir / "out"),
+            file_names({"expanded_x", "expanded_row_idx", "expert_tokens_count_or_cumsum",
+                        "expert_tokens_before_capacity"}));
+  const InitExpected expected = reference_init(x, ids, c.k, a);
+  for (const auto& [name, array] : {std::pair{"expanded_x", &expected.expanded_x},
+                                    {"expanded_row_idx", &expected.expanded_row_idx},
+                                    {"expert_tokens_count_or_cumsum",
+                                     &expected.expert_tokens_count_or_cumsum},
+                                    {"expert_tokens_before_capacity",
+                                     &expected.expert_tokens_before_capacity}}) {
+    const std::string file = std::string(name) + ".npy";
+    expect_array(read_npy(dir / "out" / file, name), *array, name);
+  }
+}
+
+InitRoutingAttributes dropless(std::int64_t expert_num, std::int64_t flag,
+                               std::int64_t active_num = 0) {
+  InitRoutingAttributes a;
+  a.expert_num = expert_num;
+  a.expert_tokens_count_or_cumsum_flag = flag;
+  a.active_num = active_num;
+  return a;
+}
+
+InitRoutingAttributes by_capacity(std::int64_t expert_num, std::int64_t capacity,
+                                  bool before_capacity) {
+  InitRoutingAttributes a;
+  a.drop_pad_mode = kDropPad;
+  a.expert_num = expert_num;
+  a.expert_capacity = capacity;
+  a.expert_tokens_before_capacity_flag = before_capacity;
+  return a;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, InitRouting,
+    ::testing::Values(
+        InitCase{"float16_counts", "float16", "<f2", 100, 4, 33, dropless(8, kExpertTokensCount)},
+        InitCase{"bfloat16_active_num_cumsum_int64_skewed", "bfloat16", "<u2", 50, 4, 16,
+                 dropless(6, kExpertTokensCumsum, 150), true, 2.0},
+        InitCase{"int8_unbounded_ids_k1", "int8", "|i1", 37, 1, 24, dropless(0, kExpertTokensNone),
+                 false, 0.0, 50},
+        InitCase{"uint8_active_num_past_rows", "uint8", "|u1", 9, 3, 5,
+                 dropless(4, kExpertTokensCount, 1000)},
+        InitCase{"float32_no_tokens", "float32", "<f4", 0, 2, 7, dropless(3, kExpertTokensCount)},
+        InitCase{"float8_e4m3fn_capacity_drops", "float8_e4m3fn", "|u1", 40, 2, 64,
+                 by_capacity(4, 5, true)},
+        InitCase{"float32_capacity_of_all_tokens", "float32", "<f4", 12, 3, 8,
+                 by_capacity(3, 12, false)},
+        InitCase{"hifloat8_capacity_skewed_int64", "hifloat8", "|u1", 64, 8, 32,
+                 by_capacity(16, 20, true), true, 3.0},
+        InitCase{"float4_e2m1_capacity_one_expert", "float4_e2m1", "|u1", 10, 2, 8,
+                 by_capacity(1, 10, true)}),
+    [](const ::testing::TestParamInfo<InitCase>& info) { return info.param.name; });
+
+struct FinalizeCase {
+  std::string name;
+  std::string dtype;
+  std::int64_t mode = kFinalizeColumnMajor;
+  std::int64_t num_tokens = 0, k = 1, hidden = 1;
+  std::int64_t num_experts = 4, capacity = 0;  // capacity: modes 1 and 3
+  bool x1 = false, x2 = false, bias = false, scales = false;
+  std::string scales_dtype = "";  // "": expanded_x's
+  std::int64_t dropped_rows = 0;  // modes 0 and 2: rows of expanded_x fewer than T * k
+};
+
+class FinalizeRouting : public ::testing::TestWithParam<FinalizeCase> {};
+
+TEST_P(FinalizeRouting, MatchesTheReference) {
+  const FinalizeCase& c = GetParam();
+  std::mt19937_64 rng(std::hash<std::string>{}(c.name));
+  const TestDir dir;
+  const std::int64_t T = c.num_tokens, k = c.k, H = c.hidden, n = T * k;
+  const bool capacity = c.mode == kFinalizeColumnMajorCapacity ||
+                        c.mode == kFinalizeRowMajorCapacity;
+  FinalizeInputs in;
+  in.dtype = c.dtype;
+  in.scales_dtype = c.scales_dtype.empty() ? c.dtype : c.scales_dtype;
+  in.mode = c.mode;
+  std::vector<std::int64_t> row_idx(static_cast<std::size_t>(n));
+  if (capacity) {
+    in.expanded_x = random_floats(rng, c.dtype, {c.num_experts, c.capacity, H}, 4);
+    std::uniform_int_distribution<std::int64_t> slot(-1, c.num_experts * c.capacity - 1);
+    for (std::int64_t& row : row_idx) row = slot(rng);
+  } else {
+    in.expanded_x = random_floats(rng, c.dtype, {n - c.dropped_rows, H}, 4);
+    std::iota(row_idx.begin(), row_idx.end(), 0);
+    std::shuffle(row_idx.begin(), row_idx.end(), rng);
+  }
+  in.expanded_row_idx = int_array<std::int32_t>(row_idx, {n});
+  if (c.x1) in.x1 = random_floats(rng, c.dtype, {T, H}, 4);
+  if (c.x2) in.x2 = random_floats(rng, c.dtype, {T, H}, 4);
+  if (c.bias) {
+    in.bias = random_floats(rng, c.dtype, {c.num_experts, H}, 4);
+    in.expert_idx = int_array<std::int32_t>(random_ids(rng, n, c.num_experts, 0.0), {T, k});
+  }
+  if (c.scales) in.scales = random_floats(rng, in.scales_dtype, {T, k}, 2);
+
+  std::vector<std::string> args = {"finalize-routing",
+                                   "--expanded-x",
+                                   save(dir / "expanded_x.npy", in.expanded_x),
+                                   "--expanded-row-idx",
+                                   save(dir / "expanded_row_idx.npy", in.expanded_row_idx),
+                                   "--drop-pad-mode",
+                                   std::to_string(c.mode),
+                                   "--out",
+                                   (dir / "out").string()};
+  for (const auto& [flag, array] : {std::pair{"--x1", &in.x1},
+                                    {"--x2", &in.x2},
+                                    {"--bias", &in.bias},
+                                    {"--scales", &in.scales},
+                                    {"--expert-idx", &in.expert_idx}}) {
+    if (*array) args.insert(args.end(), {flag, save(dir / (flag + 2), **array)});
+  }
+  if (c.dtype == "bfloat16") args.insert(args.end(), {"--expanded-x-dtype", "bfloat16"});
+  if (c.scales && in.scales_dtype == "bfloat16") {
+    args.insert(args.end(), {"--scales-dtype", "bfloat16"});
+  }
+  const Result result = run_cli(args);
+  ASSERT_EQ(result.status, 0) << result.err;
+  EXPECT_EQ(result.err, "");
+  EXPECT_EQ(listing(dir / "out"), file_names({"out"}));
+  expect_array(read_npy(dir / "out" / "out.npy", "out"), reference_finalize(in, T, H), "out");
+}
+
+FinalizeCase with_inputs(FinalizeCase c, bool x1, bool x2, bool bias, bool scales) {
+  c.x1 = x1;
+  c.x2 = x2;
+  c.bias = bias;
+  c.scales = scales;
+  return c;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, FinalizeRouting,
+    ::testing::Values(
+        FinalizeCase{"float32_bare_k1", "float32", kFinalizeColumnMajor, 20, 1, 17},
+        with_inputs({"float16_x1_scales_dropped_rows", "float16", kFinalizeColumnMajor, 33, 4, 40,
+                     4, 0, false, false, false, false, "", 5},
+                    true, false, false, true),
+        with_inputs({"bfloat16_row_major_all", "bfloat16", kFinalizeRowMajor, 24, 3, 64, 5},
+                    true, true, true, true),
+        with_inputs({"bfloat16_float32_scales_bias", "bfloat16", kFinalizeRowMajor, 16, 8, 32, 3,
+                     0, false, false, false, false, "float32", 7},
+                    false, false, true, true),
+        with_inputs({"float16_capacity_bias_scales", "float16", kFinalizeColumnMajorCapacity, 10,
+                     3, 24, 4, 6},
+                    false, false, true, true),
+        with_inputs({"float32_row_major_capacity_all", "float32", kFinalizeRowMajorCapacity, 19, 2,
+                     9, 3, 7},
+                    true, true, true, true),
+        FinalizeCase{"float16_row_major_capacity_bare", "float16", kFinalizeRowMajorCapacity, 12, 1,
+                     8, 2, 5},
+        with_inputs({"float32_no_tokens", "float32", kFinalizeRowMajor, 0, 3, 6}, true, false,
+                    false, true),
+        with_inputs({"bfloat16_x1_only", "bfloat16", kFinalizeColumnMajor, 21, 1, 15}, true,
+                    false, false, false)),
+    [](const ::testing::TestParamInfo<FinalizeCase>& info) { return info.param.name; });
+
+// Bad input: exit status 2, one `error:` line naming the argument, nothing on
+// stdout, and both commands' earlier outputs byte for byte as they were.
+class BadRoutingInput : public ::testing::Test {
+ protected:
+  static constexpr std::int64_t kTokens = 16, kK = 2, kHidden = 8, kExperts = 4;
+
+  void SetUp() override {
+    std::mt19937_64 rng(7);
+    std::vector<std::int64_t> rows(kTokens * kK);
+    std::iota(rows.begin(), rows.end(), 0);
+    const std::vector<std::int64_t> ids = random_ids(rng, kTokens * kK, kExperts, 0.0);
+    init_ = {{"--x", file("x.npy", random_floats(rng, "float32", {kTokens, kHidden}, 4))},
+             {"--expert-idx", file("ids.npy", int_array<std::int32_t>(ids, {kTokens, kK}))},
+             {"--expert-num", std::to_string(kExperts)},
+             {"--expert-tokens-count-or-cumsum-flag", "2"},
+             {"--out", (dir_ / "init_out").string()}};
+    finalize_ = {
+        {"--expanded-x",
+         file("expanded_x.npy", random_floats(rng, "float32", {kTokens * kK, kHidden}, 4))},
+        {"--expanded-row-idx", file("rows.npy", int_array<std::int32_t>(rows, {kTokens * kK}))},
+        {"--x1", file("x1.npy", random_floats(rng, "float32", {kTokens, kHidden}, 4))},
+        {"--x2", file("x2.npy", random_floats(rng, "float32", {kTokens, kHidden}, 4))},
+        {"--bias", file("bias.npy", random_floats(rng, "float32", {kExperts, kHidden}, 4))},
+        {"--scales", file("scales.npy", random_floats(rng, "float32", {kTokens, kK}, 2))},
+        {"--expert-idx", in("ids.npy")},
+        {"--drop-pad-mode", "2"},
+        {"--out", (dir_ / "finalize_out").string()}};
+    for (const auto* flags : {&init_, &finalize_}) {
+      const Result first = run_cli(args(flags == &init_ ? "init-routing" : "finalize-routing",
+                                        *flags, {}, {}));
+      ASSERT_EQ(first.status, 0) << first.err;
+    }
+    before_ = snapshot();
+    ASSERT_EQ(before_.size(), 5u);
+  }
+
+  std::string in(const char* name) const { return (dir_ / name).string(); }
+  std::string file(const char* name, const NpyArray& array) { return save(dir_ / name, array); }
+  // An int32 file of `shape` holding `values`, repeated.
+  std::string ints(const char* name, const std::vector<std::int64_t>& values,
+                   std::vector<std::int64_t> shape) {
+    std::vector<std::int64_t> repeated(static_cast<std::size_t>(elements(shape)));
+    for (std::size_t i = 0; i < repeated.size(); ++i) repeated[i] = values[i % values.size()];
+    return file(name, int_array<std::int32_t>(repeated, std::move(shape)));
+  }
+  std::string floats(const char* name, std::vector<std::int64_t> shape,
+                     const std::string& dtype = "float32") {
+    std::mt19937_64 rng(1);
+    return file(name, random_floats(rng, dtype, std::move(shape), 1));
+  }
+
+  using Flags = std::vector<std::pair<std::string, std::string>>;
+
+  // `command` with `flags`, each of `replace` replacing its flag's value (or
+  // removing the flag, where empty) or added, then `extra`.
+  static std::vector<std::string> args(const char* command, Flags flags, const Flags& replace,
+                                       const std::vector<std::string>& extra) {
+    for (const auto& [flag, value] : replace) {
+      const auto it = std::find_if(flags.begin(), flags.end(),
+                                   [&](const auto& f) { return f.first == flag; });
+      if (it == flags.end()) {
+        flags.emplace_back(flag, value);
+      } else {
+        it->second = value;
+      }
+    }
+    std::vector<std::string> result = {command};
+    for (const auto& [flag, value] : flags) {
+      if (!value.empty()) result.insert(result.end(), {flag, value});
+    }
+    result.insert(result.end(), extra.begin(), extra.end());
+    return result;
+  }
+
+  std::map<std::string, std::string> snapshot() const {
+    std::map<std::string, std::string> files;
+    for (const char* out : {"init_out", "finalize_out"}) {
+      for (const std::string& name : listing(dir_ / out)) {
+        if (std::filesystem::is_regular_file(dir_ / out / name)) {
+          files[std::string(out) + "/" + name] = slurp(dir_ / out / name);
+        }
+      }
+    }
+    return files;
+  }
+
+  void expect_refused(const std::vector<std::string>& command_line, const std::string& message) {
+    const Result result = run_cli(command_line);
+    EXPECT_EQ(result.status, 2) << result.err;
+    EXPECT_THAT(result.err, StartsWith("error: "));
+    EXPECT_THAT(result.err, HasSubstr(message));
+    EXPECT_EQ(std::count(result.err.begin(), result.err.end(), '\n'), 1) << result.err;
+    EXPECT_EQ(result.out, "");
+    EXPECT_TRUE(snapshot() == before_) << "an output changed on error: " << message;
+  }
+  void expect_init_refused(const Flags& replace, const std::string& message,
+                           const std::vector<std::string>& extra = {}) {
+    SCOPED_TRACE(message);
+    expect_refused(args("init-routing", init_, replace, extra), message);
+  }
+  void expect_finalize_refused(const Flags& replace, const std::string& message,
+                               const std::vector<std::string>& extra = {}) {
+    SCOPED_TRACE(message);
+    expect_refused(args("finalize-routing", finalize_, replace, extra), message);
+  }
+
+  TestDir dir_;
+  Flags init_, finalize_;
+  std::map<std::string, std::string> before_;
+};
+
+TEST_F(BadRoutingInput, InitShapesAndAttributes) {
+  expect_init_refused({{"--x", floats("x1d.npy", {kTokens})}}, "error: x: ");
+  expect_init_refused({{"--expert-idx", ints("ids15.npy", {0}, {kTokens - 1, kK})}},
+                      "expert_idx: ");
+  expect_init_refused({{"--expert-idx", ints("ids1d.npy", {0}, {kTokens * kK})}}, "expert_idx: ");
+  expect_init_refused({{"--expert-idx", floats("idsf.npy", {kTokens, kK})}}, "expert_idx: ");
+  expect_init_refused({{"--active-num", "-1"}}, "active_num: ");
+  expect_init_refused({{"--drop-pad-mode", "2"}}, "drop_pad_mode: ");
+  const Flags by_capacity = {{"--drop-pad-mode", "1"}, {"--expert-tokens-count-or-cumsum-flag", "0"}};
+  const auto with = [](Flags flags, const Flags& more) {
+    flags.insert(flags.end(), more.begin(), more.end());
+    return flags;
+  };
+  expect_init_refused(with(by_capacity, {{"--expert-capacity", "0"}}), "expert_capacity: ");
+  expect_init_refused(with(by_capacity, {{"--expert-capacity", "17"}}), "expert_capacity: ");
+  expect_init_refused(with(by_capacity, {{"--expert-capacity", "4"}, {"--expert-num", "0"}}),
+                      "expert_num: ");
+  expect_init_refused({{"--expert-tokens-count-or-cumsum-flag", "3"}},
+                      "expert_tokens_count_or_cumsum_flag: ");
+  expect_init_refused({{"--expert-num", "0"}}, "expert_num: ");
+}
+
+TEST_F(BadRoutingInput, InitIdValues) {
+  expect_init_refused({{"--expert-idx", ints("neg.npy", {0, 1, -1, 2}, {kTokens, kK})}},
+                      "expert_idx: ");
+  expect_init_refused({{"--expert-idx", ints("big.npy", {0, 1, kExperts}, {kTokens, kK})}},
+                      "expert_idx: ");
+}
+
+TEST_F(BadRoutingInput, FinalizeShapesAndDtypes) {
+  expect_finalize_refused({{"--drop-pad-mode", "4"}}, "drop_pad_mode: ");
+  expect_finalize_refused({{"--expanded-x", floats("ex3d.npy", {kExperts, 8, kHidden})}},
+                          "expanded_x: ");
+  expect_finalize_refused({{"--drop-pad-mode", "3"}}, "expanded_x: ");
+  expect_finalize_refused({{"--expanded-row-idx", ints("rows2d.npy", {0}, {kTokens, kK})}},
+                          "expanded_row_idx: ");
+  expect_finalize_refused({{"--x1", ""}}, "x2: ");
+  expect_finalize_refused({{"--x1", floats("x1s.npy", {kTokens - 1, kHidden})}}, "x1: ");
+  expect_finalize_refused({{"--x2", floats("x2s.npy", {kTokens, kHidden + 1})}}, "x2: ");
+  expect_finalize_refused({{"--expert-idx", ""}}, "bias: ");
+  expect_finalize_refused({{"--bias", floats("bias1d.npy", {kHidden})}}, "bias: ");
+  expect_finalize_refused({{"--scales", floats("scales_t.npy", {kTokens - 1, kK})}}, "scales: ");
+  expect_finalize_refused({{"--x1", floats("x1h.npy", {kTokens, kHidden}, "float16")}}, "x1: ");
+  expect_finalize_refused({{"--expanded-x", floats("exh.npy", {kTokens * kK, kHidden}, "float16")},
+                           {"--x1", ""},
+                           {"--x2", ""},
+                           {"--bias", ""}},
+                          "scales: ");
+  expect_finalize_refused({{"--expanded-x", ints("exi.npy", {0}, {kTokens * kK, kHidden})},
+                           {"--x1", ""},
+                           {"--x2", ""},
+                           {"--bias", ""},
+                           {"--scales", ""}},
+                          "expanded_x: ");
+}
+
+TEST_F(BadRoutingInput, FinalizeRowIndexValues) {
+  std::vector<std::int64_t> rows(kTokens * kK);
+  std::iota(rows.begin(), rows.end(), 0);
+  rows[5] = -2;
+  expect_finalize_refused({{"--expanded-row-idx", ints("m2.npy", rows, {kTokens * kK})}},
+                          "expanded_row_idx: ");
+  rows[5] = -1;
+  expect_finalize_refused({{"--expanded-row-idx", ints("m1.npy", rows, {kTokens * kK})}},
+                          "expanded_row_idx: ");
+  rows[5] = kExperts * 8;  // E * C in mode 3, with expanded_x [E, C, H]
+  expect_finalize_refused({{"--drop-pad-mode", "3"},
+                           {"--expanded-x", floats("exc.npy", {kExperts, 8, kHidden})},
+                           {"--expanded-row-idx", ints("past.npy", rows, {kTokens * kK})}},
+                          "expanded_row_idx: ");
+}
+
+// The .npy files and the command line, named by flag or argument.
+TEST_F(BadRoutingInput, FilesAndFlags) {
+  expect_init_refused({{"--x", in("missing.npy")}}, "x: cannot open");
+  expect_init_refused({{"--expert-idx", ""}}, "--expert-idx");
+  expect_init_refused({{"--x", floats("xb.npy", {kTokens, kHidden}, "bfloat16")}},
+                      "x: " + in("xb.npy") + " holds <u2; name its dtype with --x-dtype");
+  expect_init_refused({}, "x: --x-dtype bfloat16 is stored as <u2", {"--x-dtype", "bfloat16"});
+  expect_init_refused({}, "x: unknown dtype name 'float9'", {"--x-dtype", "float9"});
+  expect_init_refused({{"--active-num", "18446744073709551616"}},
+                      "--active-num: 18446744073709551616 does not fit in int64");
+  expect_init_refused({}, "--threads: must be >= 0", {"--threads", "-1"});
+  expect_init_refused({}, "--bogus", {"--bogus"});
+  expect_finalize_refused({{"--expanded-row-idx", ""}}, "--expanded-row-idx");
+  expect_finalize_refused({{"--scales", ""}}, "scales: --scales-dtype needs --scales",
+                          {"--scales-dtype", "bfloat16"});
+  expect_finalize_refused({}, "expanded_x: --expanded-x-dtype bfloat16 is stored as <u2",
+                          {"--expanded-x-dtype", "bfloat16"});
+  expect_finalize_refused(
+      {{"--expanded-x", floats("exb.npy", {kTokens * kK, kHidden}, "bfloat16")}},
+      "x1: --expanded-x-dtype bfloat16 is stored as <u2", {"--expanded-x-dtype", "bfloat16"});
+  expect_finalize_refused({{"--drop-pad-mode", "-9223372036854775809"}},
+                          "--drop-pad-mode: -9223372036854775809 does not fit in int64");
+  expect_finalize_refused({{"--out", file("plain.npy", int_array<std::int32_t>({1}, {1}))}},
+                          "out: cannot create");
+}
+
+// A rename that fails part-way (the fourth output is a non-empty directory)
+// leaves the earlier outputs of init-routing byte for byte as they were.
+TEST_F(BadRoutingInput, AFailedRenameLeavesTheEarlierOutputs) {
+  const std::filesystem::path out = dir_ / "init_out",
+                              blocked = out / "expert_tokens_before_capacity.npy";
+  std::filesystem::remove(blocked);
+  std::filesystem::create_directory(blocked);
+  std::ofstream(blocked / "kept") << "kept";
+  before_ = snapshot();
+  ASSERT_EQ(before_.size(), 4u);  // three of init-routing, one of finalize-routing
+  expect_init_refused({{"--x", floats("other_x.npy", {kTokens, kHidden})}},
+                      "error: out: cannot rename ");
+  EXPECT_EQ(listing(out), file_names({"expanded_x", "expanded_row_idx",
+                                      "expert_tokens_count_or_cumsum",
+                                      "expert_tokens_before_capacity"}));
+  EXPECT_EQ(slurp(blocked / "kept"), "kept");
+}
+
+}  // namespace
+}  // namespace moe_reroute::tools
