@@ -25,22 +25,22 @@ int inverse_command(const RunOptions& options);
 
 /// `init-routing` and `finalize-routing`: the operator on .npy files, named by
 /// the inputs of its description (`paths`, in their order; empty: absent).
-struct InitRoutingOptions {
+template <typename A>
+struct OperatorOptions {
   std::vector<std::string> paths;
-  std::string x_dtype;
-  InitRoutingAttributes attributes;
+  A attributes;
   int threads = 0;
   std::string out;
 };
 
+struct InitRoutingOptions : OperatorOptions<InitRoutingAttributes> {
+  std::string x_dtype;
+};
+
 /// `expanded_x_dtype` names the dtype of expanded_x and of x1, x2 and bias,
 /// which have expanded_x's dtype.
-struct FinalizeRoutingOptions {
-  std::vector<std::string> paths;
+struct FinalizeRoutingOptions : OperatorOptions<FinalizeRoutingAttributes> {
   std::string expanded_x_dtype, scales_dtype;
-  FinalizeRoutingAttributes attributes;
-  int threads = 0;
-  std::string out;
 };
 
 int init_routing_command(const InitRoutingOptions& options);

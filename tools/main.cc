@@ -32,22 +32,22 @@ void add_run_options(CLI::App& command, RunOptions& o, bool forward) {
 }
 
 // One `--<input>` option per input of `op`, required unless the input is
-// optional, into `paths` (in the inputs' order); then its attributes and the
+// optional, into `o.paths` (in the inputs' order); then its attributes and the
 // options every operator command takes.
 template <typename A>
 void add_operator_options(CLI::App& command, const moe_reroute::OperatorDescOf<A>& op,
-                          std::vector<std::string>& paths, A& attributes, int& threads,
-                          std::string& out) {
-  paths.resize(op.inputs.size());
+                          moe_reroute::tools::OperatorOptions<A>& o) {
+  o.paths.resize(op.inputs.size());
   for (std::size_t i = 0; i < op.inputs.size(); ++i) {
     const moe_reroute::InputDesc& input = op.inputs[i];
-    CLI::Option* option = command.add_option(moe_reroute::tools::flag_name(input.name), paths[i],
+    CLI::Option* option = command.add_option(moe_reroute::tools::flag_name(input.name), o.paths[i],
                                              std::string(input.name) + " .npy");
     if (!input.optional) option->required();
   }
-  moe_reroute::tools::add_attribute_options(command, op, attributes, /*with_flags=*/true, nullptr);
-  moe_reroute::tools::add_threads_option(command, threads);
-  command.add_option("--out", out, "output directory (created if missing)")->required();
+  moe_reroute::tools::add_attribute_options(command, op, o.attributes, /*with_flags=*/true,
+                                            nullptr);
+  moe_reroute::tools::add_threads_option(command, o.threads);
+  command.add_option("--out", o.out, "output directory (created if missing)")->required();
 }
 
 }  // namespace
@@ -72,8 +72,7 @@ int main(int argc, char** argv) {
   InitRoutingOptions init_options;
   CLI::App* init = app.add_subcommand(
       "init-routing", "sort a rank's tokens by expert before the dispatch (moe_init_routing)");
-  add_operator_options(*init, moe_reroute::init_routing_desc(), init_options.paths,
-                       init_options.attributes, init_options.threads, init_options.out);
+  add_operator_options(*init, moe_reroute::init_routing_desc(), init_options);
   init->add_option("--x-dtype", init_options.x_dtype,
                    "the dtype of x's unsigned storage (bfloat16 for uint16; FP8, hifloat8, FP4 "
                    "for uint8)");
@@ -84,9 +83,7 @@ int main(int argc, char** argv) {
   CLI::App* finalize = app.add_subcommand(
       "finalize-routing",
       "sum each token's k expert outputs, weighted, after the combine (moe_finalize_routing)");
-  add_operator_options(*finalize, moe_reroute::finalize_routing_desc(), finalize_options.paths,
-                       finalize_options.attributes, finalize_options.threads,
-                       finalize_options.out);
+  add_operator_options(*finalize, moe_reroute::finalize_routing_desc(), finalize_options);
   finalize->add_option("--expanded-x-dtype", finalize_options.expanded_x_dtype,
                        "bfloat16 for uint16 expanded_x, x1, x2 and bias");
   finalize->add_option("--scales-dtype", finalize_options.scales_dtype,

@@ -3,19 +3,21 @@
 // operator (every other check, before it writes), then write all outputs at
 // once, named as in the operator's description.
 
+#include "moe_reroute/routing.h"
+
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "commands.h"
-#include "moe_reroute/routing.h"
 #include "operator_files.h"
 
 namespace moe_reroute::tools {
 
 int init_routing_command(const InitRoutingOptions& o) {
   const InitRoutingDesc& desc = init_routing_desc();
-  const LoadedTensor x = load_tensor(o.paths[0], desc.inputs[0].name, given(o.x_dtype), "--x-dtype");
+  const LoadedTensor x =
+      load_tensor(o.paths[0], desc.inputs[0].name, given(o.x_dtype), "--x-dtype");
   const LoadedTensor expert_idx = load_tensor(o.paths[1], desc.inputs[1].name, std::nullopt, "");
   const InitRoutingInputs inputs{x.view, expert_idx.view};
   const InitRoutingOutputSpecs specs = infer_init_routing(inputs, o.attributes);
@@ -29,8 +31,8 @@ int init_routing_command(const InitRoutingOptions& o) {
 
 int finalize_routing_command(const FinalizeRoutingOptions& o) {
   const FinalizeRoutingDesc& desc = finalize_routing_desc();
-  check_named_file(o.paths[5], o.scales_dtype, desc.inputs[5].name,
-                   flag_name(desc.inputs[5].name), "--scales-dtype");
+  check_named_file(o.paths[5], o.scales_dtype, desc.inputs[5].name, flag_name(desc.inputs[5].name),
+                   "--scales-dtype");
   const auto load = [&](std::size_t input, const std::string& dtype_name,
                         std::string_view dtype_flag) {
     return load_optional(o.paths[input], desc.inputs[input].name, dtype_name, dtype_flag);
@@ -44,8 +46,8 @@ int finalize_routing_command(const FinalizeRoutingOptions& o) {
                                     bias = load(4, x_dtype, kXFlag),
                                     scales = load(5, o.scales_dtype, "--scales-dtype"),
                                     expert_idx = load(6, "", "");
-  const FinalizeRoutingInputs inputs{expanded_x->view, expanded_row_idx->view, view_of(x1),
-                                     view_of(x2),       view_of(bias),           view_of(scales),
+  const FinalizeRoutingInputs inputs{expanded_x->view,   expanded_row_idx->view, view_of(x1),
+                                     view_of(x2),        view_of(bias),          view_of(scales),
                                      view_of(expert_idx)};
   const FinalizeRoutingOutputSpecs specs = infer_finalize_routing(inputs, o.attributes);
   OutputBuffers buffers({specs.out});

@@ -3,6 +3,8 @@
 // written here, and every bad input refused with exit status 2, one `error:`
 // line naming the argument, and the earlier outputs left as they were.
 
+#include "moe_reroute/routing.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -19,15 +21,13 @@
 #include <utility>
 #include <vector>
 
-#include "moe_reroute/routing.h"
 #include "npy.h"
+#include "npy_values.h"
 #include "program.h"
+#include "refusal.h"
 
 namespace moe_reroute::tools {
 namespace {
-
-using ::testing::HasSubstr;
-using ::testing::StartsWith;
 
 Result run_cli(const std::vector<std::string>& args) { return run_program(MOE_REROUTE_CLI, args); }
 
@@ -53,23 +53,6 @@ NpyArray int_array(const std::vector<std::int64_t>& values, std::vector<std::int
     std::memcpy(array.data.data() + i * sizeof(Int), &value, sizeof(Int));
   }
   return array;
-}
-
-std::vector<std::int64_t> int_values(const NpyArray& array) {
-  std::vector<std::int64_t> values;
-  const std::size_t size = static_cast<std::size_t>(itemsize(array.descr));
-  for (std::size_t i = 0; i < array.data.size(); i += size) {
-    std::int64_t value = 0;
-    if (size == 8) {
-      std::memcpy(&value, array.data.data() + i, 8);
-    } else {
-      std::int32_t value32 = 0;
-      std::memcpy(&value32, array.data.data() + i, 4);
-      value = value32;
-    }
-    values.push_back(value);
-  }
-  return values;
 }
 
 // The float dtypes of finalize-routing, by name: the .npy storage and the
@@ -125,8 +108,8 @@ NpyArray random_floats(std::mt19937_64& rng, const std::string& dtype,
 }
 
 // Expert ids in [0, num_ids), skewed towards 0 as `skew` grows.
-std::vector<std::int64_t> random_ids(std::mt19937_64& rng, std::int64_t count,
-                                     std::int64_t num_ids, double skew) {
+std::vector<std::int64_t> random_ids(std::mt19937_64& rng, std::int64_t count, std::int64_t num_ids,
+                                     double skew) {
   std::uniform_real_distribution<double> u(0.0, 1.0);
   std::vector<std::int64_t> ids(static_cast<std::size_t>(count));
   for (std::int64_t& id : ids) {
@@ -141,10 +124,11 @@ struct InitExpected {
       expert_tokens_before_capacity;
 };
 
-InitExpected reference_init(const NpyArray& x, const std::vector<std::int64_t>& ids,
-                            std::int64_t k, const InitRoutingAttributes& a) {
+InitExpected reference_init(const NpyArray& x, const std::vector<std::int64_t>& ids, std::int64_t k,
+                            const InitRoutingAttributes& a) {
   const std::int64_t num_tokens = x.shape[0], n = num_tokens * k;
-  const std::int64_t row_bytes = static_cast<std::int64_t>(x.data.size()) / std::max<std::int64_t>(num_tokens, 1);
+  const std::int64_t row_bytes =
+      static_cast<std::int64_t>(x.data.size()) / std::max<std::int64_t>(num_tokens, 1);
   std::vector<std::int64_t> order(static_cast<std::size_t>(n));
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
@@ -203,10 +187,10 @@ struct FinalizeInputs {
 NpyArray reference_finalize(const FinalizeInputs& in, std::int64_t num_tokens,
                             std::int64_t hidden) {
   const std::int64_t k = in.scales ? in.scales->shape[1] : 1;
-  const bool capacity = in.mode == kFinalizeColumnMajorCapacity ||
-                        in.mode == kFinalizeRowMajorCapacity;
-  const bool column_major = in.mode == kFinalizeColumnMajor ||
-                            in.mode == kFinalizeColumnMajorCapacity;
+  const bool capacity =
+      in.mode == kFinalizeColumnMajorCapacity || in.mode == kFinalizeRowMajorCapacity;
+  const bool column_major =
+      in.mode == kFinalizeColumnMajor || in.mode == kFinalizeColumnMajorCapacity;
   const std::int64_t num_rows = elements(in.expanded_x.shape) / hidden;
   const std::int64_t size = itemsize(in.expanded_x.descr);
   const std::vector<std::int64_t> row_idx = int_values(in.expanded_row_idx);
@@ -305,55 +289,53 @@ TEST_P(InitRouting, MatchesTheReference) {
             file_names({"expanded_x", "expanded_row_idx", "expert_tokens_count_or_cumsum",
                         "expert_tokens_before_capacity"}));
   const InitExpected expected = reference_init(x, ids, c.k, a);
-  for (const auto& [name, array] : {std::pair{"expanded_x", &expected.expanded_x},
-                                    {"expanded_row_idx", &expected.expanded_row_idx},
-                                    {"expert_tokens_count_or_cumsum",
-                                     &expected.expert_tokens_count_or_cumsum},
-                                    {"expert_tokens_before_capacity",
-                                     &expected.expert_tokens_before_capacity}}) {
+  for (const auto& [name, array] :
+       {std::pair{"expanded_x", &expected.expanded_x},
+        {"expanded_row_idx", &expected.expanded_row_idx},
+        {"expert_tokens_count_or_cumsum", &expected.expert_tokens_count_or_cumsum},
+        {"expert_tokens_before_capacity", &expected.expert_tokens_before_capacity}}) {
     const std::string file = std::string(name) + ".npy";
     expect_array(read_npy(dir / "out" / file, name), *array, name);
   }
 }
 
-InitRoutingAttributes dropless(std::int64_t expert_num, std::int64_t flag,
-                               std::int64_t active_num = 0) {
-  InitRoutingAttributes a;
-  a.expert_num = expert_num;
-  a.expert_tokens_count_or_cumsum_flag = flag;
-  a.active_num = active_num;
-  return a;
-}
-
-InitRoutingAttributes by_capacity(std::int64_t expert_num, std::int64_t capacity,
-                                  bool before_capacity) {
-  InitRoutingAttributes a;
-  a.drop_pad_mode = kDropPad;
-  a.expert_num = expert_num;
-  a.expert_capacity = capacity;
-  a.expert_tokens_before_capacity_flag = before_capacity;
-  return a;
-}
+using A = InitRoutingAttributes;
 
 INSTANTIATE_TEST_SUITE_P(
     Cases, InitRouting,
     ::testing::Values(
-        InitCase{"float16_counts", "float16", "<f2", 100, 4, 33, dropless(8, kExpertTokensCount)},
+        InitCase{"float16_counts", "float16", "<f2", 100, 4, 33,
+                 A{.expert_num = 8, .expert_tokens_count_or_cumsum_flag = kExpertTokensCount}},
         InitCase{"bfloat16_active_num_cumsum_int64_skewed", "bfloat16", "<u2", 50, 4, 16,
-                 dropless(6, kExpertTokensCumsum, 150), true, 2.0},
-        InitCase{"int8_unbounded_ids_k1", "int8", "|i1", 37, 1, 24, dropless(0, kExpertTokensNone),
-                 false, 0.0, 50},
+                 A{.active_num = 150,
+                   .expert_num = 6,
+                   .expert_tokens_count_or_cumsum_flag = kExpertTokensCumsum},
+                 true, 2.0},
+        InitCase{"int8_unbounded_ids_k1", "int8", "|i1", 37, 1, 24, A{}, false, 0.0, 50},
         InitCase{"uint8_active_num_past_rows", "uint8", "|u1", 9, 3, 5,
-                 dropless(4, kExpertTokensCount, 1000)},
-        InitCase{"float32_no_tokens", "float32", "<f4", 0, 2, 7, dropless(3, kExpertTokensCount)},
+                 A{.active_num = 1000,
+                   .expert_num = 4,
+                   .expert_tokens_count_or_cumsum_flag = kExpertTokensCount}},
+        InitCase{"float32_no_tokens", "float32", "<f4", 0, 2, 7,
+                 A{.expert_num = 3, .expert_tokens_count_or_cumsum_flag = kExpertTokensCount}},
         InitCase{"float8_e4m3fn_capacity_drops", "float8_e4m3fn", "|u1", 40, 2, 64,
-                 by_capacity(4, 5, true)},
+                 A{.expert_capacity = 5,
+                   .expert_num = 4,
+                   .drop_pad_mode = kDropPad,
+                   .expert_tokens_before_capacity_flag = true}},
         InitCase{"float32_capacity_of_all_tokens", "float32", "<f4", 12, 3, 8,
-                 by_capacity(3, 12, false)},
+                 A{.expert_capacity = 12, .expert_num = 3, .drop_pad_mode = kDropPad}},
         InitCase{"hifloat8_capacity_skewed_int64", "hifloat8", "|u1", 64, 8, 32,
-                 by_capacity(16, 20, true), true, 3.0},
+                 A{.expert_capacity = 20,
+                   .expert_num = 16,
+                   .drop_pad_mode = kDropPad,
+                   .expert_tokens_before_capacity_flag = true},
+                 true, 3.0},
         InitCase{"float4_e2m1_capacity_one_expert", "float4_e2m1", "|u1", 10, 2, 8,
-                 by_capacity(1, 10, true)}),
+                 A{.expert_capacity = 10,
+                   .expert_num = 1,
+                   .drop_pad_mode = kDropPad,
+                   .expert_tokens_before_capacity_flag = true}}),
     [](const ::testing::TestParamInfo<InitCase>& info) { return info.param.name; });
 
 struct FinalizeCase {
@@ -362,9 +344,13 @@ struct FinalizeCase {
   std::int64_t mode = kFinalizeColumnMajor;
   std::int64_t num_tokens = 0, k = 1, hidden = 1;
   std::int64_t num_experts = 4, capacity = 0;  // capacity: modes 1 and 3
-  bool x1 = false, x2 = false, bias = false, scales = false;
-  std::string scales_dtype = "";  // "": expanded_x's
-  std::int64_t dropped_rows = 0;  // modes 0 and 2: rows of expanded_x fewer than T * k
+  std::string optional_inputs = "";  // some of "x1 x2 bias scales"; bias brings expert_idx
+  std::string scales_dtype = "";     // "": expanded_x's
+  std::int64_t dropped_rows = 0;     // modes 0 and 2: rows of expanded_x fewer than T * k
+
+  bool has(const std::string& input) const {
+    return (" " + optional_inputs + " ").find(" " + input + " ") != std::string::npos;
+  }
 };
 
 class FinalizeRouting : public ::testing::TestWithParam<FinalizeCase> {};
@@ -374,8 +360,8 @@ TEST_P(FinalizeRouting, MatchesTheReference) {
   std::mt19937_64 rng(std::hash<std::string>{}(c.name));
   const TestDir dir;
   const std::int64_t T = c.num_tokens, k = c.k, H = c.hidden, n = T * k;
-  const bool capacity = c.mode == kFinalizeColumnMajorCapacity ||
-                        c.mode == kFinalizeRowMajorCapacity;
+  const bool capacity =
+      c.mode == kFinalizeColumnMajorCapacity || c.mode == kFinalizeRowMajorCapacity;
   FinalizeInputs in;
   in.dtype = c.dtype;
   in.scales_dtype = c.scales_dtype.empty() ? c.dtype : c.scales_dtype;
@@ -391,13 +377,13 @@ TEST_P(FinalizeRouting, MatchesTheReference) {
     std::shuffle(row_idx.begin(), row_idx.end(), rng);
   }
   in.expanded_row_idx = int_array<std::int32_t>(row_idx, {n});
-  if (c.x1) in.x1 = random_floats(rng, c.dtype, {T, H}, 4);
-  if (c.x2) in.x2 = random_floats(rng, c.dtype, {T, H}, 4);
-  if (c.bias) {
+  if (c.has("x1")) in.x1 = random_floats(rng, c.dtype, {T, H}, 4);
+  if (c.has("x2")) in.x2 = random_floats(rng, c.dtype, {T, H}, 4);
+  if (c.has("bias")) {
     in.bias = random_floats(rng, c.dtype, {c.num_experts, H}, 4);
     in.expert_idx = int_array<std::int32_t>(random_ids(rng, n, c.num_experts, 0.0), {T, k});
   }
-  if (c.scales) in.scales = random_floats(rng, in.scales_dtype, {T, k}, 2);
+  if (c.has("scales")) in.scales = random_floats(rng, in.scales_dtype, {T, k}, 2);
 
   std::vector<std::string> args = {"finalize-routing",
                                    "--expanded-x",
@@ -416,7 +402,7 @@ TEST_P(FinalizeRouting, MatchesTheReference) {
     if (*array) args.insert(args.end(), {flag, save(dir / (flag + 2), **array)});
   }
   if (c.dtype == "bfloat16") args.insert(args.end(), {"--expanded-x-dtype", "bfloat16"});
-  if (c.scales && in.scales_dtype == "bfloat16") {
+  if (c.has("scales") && in.scales_dtype == "bfloat16") {
     args.insert(args.end(), {"--scales-dtype", "bfloat16"});
   }
   const Result result = run_cli(args);
@@ -426,38 +412,24 @@ TEST_P(FinalizeRouting, MatchesTheReference) {
   expect_array(read_npy(dir / "out" / "out.npy", "out"), reference_finalize(in, T, H), "out");
 }
 
-FinalizeCase with_inputs(FinalizeCase c, bool x1, bool x2, bool bias, bool scales) {
-  c.x1 = x1;
-  c.x2 = x2;
-  c.bias = bias;
-  c.scales = scales;
-  return c;
-}
-
 INSTANTIATE_TEST_SUITE_P(
     Cases, FinalizeRouting,
     ::testing::Values(
         FinalizeCase{"float32_bare_k1", "float32", kFinalizeColumnMajor, 20, 1, 17},
-        with_inputs({"float16_x1_scales_dropped_rows", "float16", kFinalizeColumnMajor, 33, 4, 40,
-                     4, 0, false, false, false, false, "", 5},
-                    true, false, false, true),
-        with_inputs({"bfloat16_row_major_all", "bfloat16", kFinalizeRowMajor, 24, 3, 64, 5},
-                    true, true, true, true),
-        with_inputs({"bfloat16_float32_scales_bias", "bfloat16", kFinalizeRowMajor, 16, 8, 32, 3,
-                     0, false, false, false, false, "float32", 7},
-                    false, false, true, true),
-        with_inputs({"float16_capacity_bias_scales", "float16", kFinalizeColumnMajorCapacity, 10,
-                     3, 24, 4, 6},
-                    false, false, true, true),
-        with_inputs({"float32_row_major_capacity_all", "float32", kFinalizeRowMajorCapacity, 19, 2,
-                     9, 3, 7},
-                    true, true, true, true),
+        FinalizeCase{"float16_x1_scales_dropped_rows", "float16", kFinalizeColumnMajor, 33, 4, 40,
+                     4, 0, "x1 scales", "", 5},
+        FinalizeCase{"bfloat16_row_major_all", "bfloat16", kFinalizeRowMajor, 24, 3, 64, 5, 0,
+                     "x1 x2 bias scales"},
+        FinalizeCase{"bfloat16_float32_scales_bias", "bfloat16", kFinalizeRowMajor, 16, 8, 32, 3, 0,
+                     "bias scales", "float32", 7},
+        FinalizeCase{"float16_capacity_bias_scales", "float16", kFinalizeColumnMajorCapacity, 10, 3,
+                     24, 4, 6, "bias scales"},
+        FinalizeCase{"float32_row_major_capacity_all", "float32", kFinalizeRowMajorCapacity, 19, 2,
+                     9, 3, 7, "x1 x2 bias scales"},
         FinalizeCase{"float16_row_major_capacity_bare", "float16", kFinalizeRowMajorCapacity, 12, 1,
                      8, 2, 5},
-        with_inputs({"float32_no_tokens", "float32", kFinalizeRowMajor, 0, 3, 6}, true, false,
-                    false, true),
-        with_inputs({"bfloat16_x1_only", "bfloat16", kFinalizeColumnMajor, 21, 1, 15}, true,
-                    false, false, false)),
+        FinalizeCase{"float32_no_tokens", "float32", kFinalizeRowMajor, 0, 3, 6, 4, 0, "x1 scales"},
+        FinalizeCase{"bfloat16_x1_only", "bfloat16", kFinalizeColumnMajor, 21, 1, 15, 4, 0, "x1"}),
     [](const ::testing::TestParamInfo<FinalizeCase>& info) { return info.param.name; });
 
 // Bad input: exit status 2, one `error:` line naming the argument, nothing on
@@ -488,8 +460,8 @@ class BadRoutingInput : public ::testing::Test {
         {"--drop-pad-mode", "2"},
         {"--out", (dir_ / "finalize_out").string()}};
     for (const auto* flags : {&init_, &finalize_}) {
-      const Result first = run_cli(args(flags == &init_ ? "init-routing" : "finalize-routing",
-                                        *flags, {}, {}));
+      const Result first =
+          run_cli(args(flags == &init_ ? "init-routing" : "finalize-routing", *flags, {}, {}));
       ASSERT_EQ(first.status, 0) << first.err;
     }
     before_ = snapshot();
@@ -518,8 +490,8 @@ class BadRoutingInput : public ::testing::Test {
   static std::vector<std::string> args(const char* command, Flags flags, const Flags& replace,
                                        const std::vector<std::string>& extra) {
     for (const auto& [flag, value] : replace) {
-      const auto it = std::find_if(flags.begin(), flags.end(),
-                                   [&](const auto& f) { return f.first == flag; });
+      const auto it =
+          std::find_if(flags.begin(), flags.end(), [&](const auto& f) { return f.first == flag; });
       if (it == flags.end()) {
         flags.emplace_back(flag, value);
       } else {
@@ -547,12 +519,7 @@ class BadRoutingInput : public ::testing::Test {
   }
 
   void expect_refused(const std::vector<std::string>& command_line, const std::string& message) {
-    const Result result = run_cli(command_line);
-    EXPECT_EQ(result.status, 2) << result.err;
-    EXPECT_THAT(result.err, StartsWith("error: "));
-    EXPECT_THAT(result.err, HasSubstr(message));
-    EXPECT_EQ(std::count(result.err.begin(), result.err.end(), '\n'), 1) << result.err;
-    EXPECT_EQ(result.out, "");
+    expect_bad_input(run_cli(command_line), message);
     EXPECT_TRUE(snapshot() == before_) << "an output changed on error: " << message;
   }
   void expect_init_refused(const Flags& replace, const std::string& message,
@@ -572,59 +539,69 @@ class BadRoutingInput : public ::testing::Test {
 };
 
 TEST_F(BadRoutingInput, InitShapesAndAttributes) {
-  expect_init_refused({{"--x", floats("x1d.npy", {kTokens})}}, "error: x: ");
+  expect_init_refused({{"--x", floats("x1d.npy", {kTokens})}}, "error: x: must be 2-D");
   expect_init_refused({{"--expert-idx", ints("ids15.npy", {0}, {kTokens - 1, kK})}},
-                      "expert_idx: ");
-  expect_init_refused({{"--expert-idx", ints("ids1d.npy", {0}, {kTokens * kK})}}, "expert_idx: ");
-  expect_init_refused({{"--expert-idx", floats("idsf.npy", {kTokens, kK})}}, "expert_idx: ");
-  expect_init_refused({{"--active-num", "-1"}}, "active_num: ");
-  expect_init_refused({{"--drop-pad-mode", "2"}}, "drop_pad_mode: ");
-  const Flags by_capacity = {{"--drop-pad-mode", "1"}, {"--expert-tokens-count-or-cumsum-flag", "0"}};
+                      "expert_idx: has 15 rows");
+  expect_init_refused({{"--expert-idx", ints("ids1d.npy", {0}, {kTokens * kK})}},
+                      "expert_idx: must be 2-D");
+  expect_init_refused({{"--expert-idx", floats("idsf.npy", {kTokens, kK})}},
+                      "expert_idx: dtype float32");
+  expect_init_refused({{"--active-num", "-1"}}, "active_num: must be >= 0, got -1");
+  expect_init_refused({{"--drop-pad-mode", "2"}}, "drop_pad_mode: must be 0 (dropless) or 1");
+  const Flags by_capacity = {{"--drop-pad-mode", "1"},
+                             {"--expert-tokens-count-or-cumsum-flag", "0"}};
   const auto with = [](Flags flags, const Flags& more) {
     flags.insert(flags.end(), more.begin(), more.end());
     return flags;
   };
-  expect_init_refused(with(by_capacity, {{"--expert-capacity", "0"}}), "expert_capacity: ");
-  expect_init_refused(with(by_capacity, {{"--expert-capacity", "17"}}), "expert_capacity: ");
+  expect_init_refused(with(by_capacity, {{"--expert-capacity", "0"}}),
+                      "expert_capacity: must be >= 1");
+  expect_init_refused(with(by_capacity, {{"--expert-capacity", "17"}}),
+                      "expert_capacity: must be at most T = 16");
   expect_init_refused(with(by_capacity, {{"--expert-capacity", "4"}, {"--expert-num", "0"}}),
-                      "expert_num: ");
+                      "expert_num: must be >= 1 with drop_pad_mode 1");
   expect_init_refused({{"--expert-tokens-count-or-cumsum-flag", "3"}},
-                      "expert_tokens_count_or_cumsum_flag: ");
-  expect_init_refused({{"--expert-num", "0"}}, "expert_num: ");
+                      "expert_tokens_count_or_cumsum_flag: must be 0 (none), 1 (cumsum) or 2");
+  expect_init_refused({{"--expert-num", "0"}},
+                      "expert_num: must be >= 1 with expert_tokens_count_or_cumsum_flag 2");
 }
 
 TEST_F(BadRoutingInput, InitIdValues) {
   expect_init_refused({{"--expert-idx", ints("neg.npy", {0, 1, -1, 2}, {kTokens, kK})}},
-                      "expert_idx: ");
+                      "expert_idx: [1, 0] = -1 is negative");
   expect_init_refused({{"--expert-idx", ints("big.npy", {0, 1, kExperts}, {kTokens, kK})}},
-                      "expert_idx: ");
+                      "expert_idx: [1, 0] = 4 is not below expert_num = 4");
 }
 
 TEST_F(BadRoutingInput, FinalizeShapesAndDtypes) {
-  expect_finalize_refused({{"--drop-pad-mode", "4"}}, "drop_pad_mode: ");
+  expect_finalize_refused({{"--drop-pad-mode", "4"}}, "drop_pad_mode: must be 0, 1, 2 or 3, got 4");
   expect_finalize_refused({{"--expanded-x", floats("ex3d.npy", {kExperts, 8, kHidden})}},
-                          "expanded_x: ");
-  expect_finalize_refused({{"--drop-pad-mode", "3"}}, "expanded_x: ");
+                          "expanded_x: must be 2-D");
+  expect_finalize_refused({{"--drop-pad-mode", "3"}}, "expanded_x: must be 3-D");
   expect_finalize_refused({{"--expanded-row-idx", ints("rows2d.npy", {0}, {kTokens, kK})}},
-                          "expanded_row_idx: ");
-  expect_finalize_refused({{"--x1", ""}}, "x2: ");
-  expect_finalize_refused({{"--x1", floats("x1s.npy", {kTokens - 1, kHidden})}}, "x1: ");
-  expect_finalize_refused({{"--x2", floats("x2s.npy", {kTokens, kHidden + 1})}}, "x2: ");
-  expect_finalize_refused({{"--expert-idx", ""}}, "bias: ");
-  expect_finalize_refused({{"--bias", floats("bias1d.npy", {kHidden})}}, "bias: ");
-  expect_finalize_refused({{"--scales", floats("scales_t.npy", {kTokens - 1, kK})}}, "scales: ");
-  expect_finalize_refused({{"--x1", floats("x1h.npy", {kTokens, kHidden}, "float16")}}, "x1: ");
+                          "expanded_row_idx: must be 1-D");
+  expect_finalize_refused({{"--x1", ""}}, "x2: needs x1");
+  expect_finalize_refused({{"--x1", floats("x1s.npy", {kTokens - 1, kHidden})}},
+                          "x1: must be [T, H] = [16, 8], got float32[15, 8]");
+  expect_finalize_refused({{"--x2", floats("x2s.npy", {kTokens, kHidden + 1})}},
+                          "x2: must be [T, H]");
+  expect_finalize_refused({{"--expert-idx", ""}}, "bias: needs expert_idx");
+  expect_finalize_refused({{"--bias", floats("bias1d.npy", {kHidden})}}, "bias: must be [E, H]");
+  expect_finalize_refused({{"--scales", floats("scales3d.npy", {kTokens, kK, 1})}},
+                          "scales: must be 2-D");
+  expect_finalize_refused({{"--x1", floats("x1h.npy", {kTokens, kHidden}, "float16")}},
+                          "x1: dtype float16 is not expanded_x's float32");
   expect_finalize_refused({{"--expanded-x", floats("exh.npy", {kTokens * kK, kHidden}, "float16")},
                            {"--x1", ""},
                            {"--x2", ""},
                            {"--bias", ""}},
-                          "scales: ");
+                          "scales: dtype float32 does not pair with expanded_x's float16");
   expect_finalize_refused({{"--expanded-x", ints("exi.npy", {0}, {kTokens * kK, kHidden})},
                            {"--x1", ""},
                            {"--x2", ""},
                            {"--bias", ""},
                            {"--scales", ""}},
-                          "expanded_x: ");
+                          "expanded_x: dtype int32");
 }
 
 TEST_F(BadRoutingInput, FinalizeRowIndexValues) {
@@ -632,15 +609,18 @@ TEST_F(BadRoutingInput, FinalizeRowIndexValues) {
   std::iota(rows.begin(), rows.end(), 0);
   rows[5] = -2;
   expect_finalize_refused({{"--expanded-row-idx", ints("m2.npy", rows, {kTokens * kK})}},
-                          "expanded_row_idx: ");
+                          "expanded_row_idx: [5] = -2 is below -1");
   rows[5] = -1;
-  expect_finalize_refused({{"--expanded-row-idx", ints("m1.npy", rows, {kTokens * kK})}},
-                          "expanded_row_idx: ");
+  expect_finalize_refused(
+      {{"--expanded-row-idx", ints("m1.npy", rows, {kTokens * kK})}},
+      "expanded_row_idx: [5] = -1: -1 (a dropped row) needs drop_pad_mode 1 or 3");
   rows[5] = kExperts * 8;  // E * C in mode 3, with expanded_x [E, C, H]
   expect_finalize_refused({{"--drop-pad-mode", "3"},
                            {"--expanded-x", floats("exc.npy", {kExperts, 8, kHidden})},
                            {"--expanded-row-idx", ints("past.npy", rows, {kTokens * kK})}},
-                          "expanded_row_idx: ");
+                          "expanded_row_idx: [5] = 32 is not below E * C = 32");
+  expect_finalize_refused({{"--expert-idx", ints("ids_past.npy", {0, kExperts}, {kTokens, kK})}},
+                          "expert_idx: [0, 1] = 4 is not a row of bias (E = 4)");
 }
 
 // The .npy files and the command line, named by flag or argument.
@@ -681,9 +661,9 @@ TEST_F(BadRoutingInput, AFailedRenameLeavesTheEarlierOutputs) {
   ASSERT_EQ(before_.size(), 4u);  // three of init-routing, one of finalize-routing
   expect_init_refused({{"--x", floats("other_x.npy", {kTokens, kHidden})}},
                       "error: out: cannot rename ");
-  EXPECT_EQ(listing(out), file_names({"expanded_x", "expanded_row_idx",
-                                      "expert_tokens_count_or_cumsum",
-                                      "expert_tokens_before_capacity"}));
+  EXPECT_EQ(listing(out),
+            file_names({"expanded_x", "expanded_row_idx", "expert_tokens_count_or_cumsum",
+                        "expert_tokens_before_capacity"}));
   EXPECT_EQ(slurp(blocked / "kept"), "kept");
 }
 
