@@ -15,7 +15,6 @@
 
 #include "moe_reroute/version.h"
 #include "npy.h"
-#include "npy_values.h"
 #include "program.h"
 #include "refusal.h"
 #include "reference.h"
@@ -54,6 +53,23 @@ std::vector<std::byte> bytes_of(const std::vector<T>& values) {
   std::vector<std::byte> bytes(values.size() * sizeof(T));
   if (!bytes.empty()) std::memcpy(bytes.data(), values.data(), bytes.size());  // never null
   return bytes;
+}
+
+std::vector<std::int64_t> counts_of(const NpyArray& counts) {
+  std::vector<std::int64_t> values;
+  const std::size_t itemsize = counts.descr == "<i8" ? 8 : 4;
+  for (std::size_t i = 0; i < counts.data.size(); i += itemsize) {
+    std::int64_t value = 0;
+    if (itemsize == 8) {
+      std::memcpy(&value, counts.data.data() + i, 8);
+    } else {
+      std::int32_t value32 = 0;
+      std::memcpy(&value32, counts.data.data() + i, 4);
+      value = value32;
+    }
+    values.push_back(value);
+  }
+  return values;
 }
 
 // Bytes of one dim-0 row of a stored array.
@@ -111,7 +127,7 @@ TEST_P(EndToEnd, GenThenRunMatchesTheReferenceAndTheInverseRestoresTheInputs) {
   testing::ReferenceInputs ref;
   ref.num_ranks = counts.shape[0];
   ref.num_experts = counts.shape[1];
-  ref.counts = int_values(counts);
+  ref.counts = counts_of(counts);
   const std::int64_t num_tokens = tokens.shape[0];
   ref.tokens = tokens.data.data();
   ref.token_row_bytes = row_bytes(tokens);
@@ -141,7 +157,7 @@ TEST_P(EndToEnd, GenThenRunMatchesTheReferenceAndTheInverseRestoresTheInputs) {
   EXPECT_TRUE(bytes_of(idx) == bytes_of(expected.token_idx)) << "permute_token_idx";
   const NpyArray expert_token_num = out("expert_token_num.npy");
   EXPECT_EQ(expert_token_num.descr, counts.descr);
-  EXPECT_EQ(int_values(expert_token_num), expected.expert_token_num);
+  EXPECT_EQ(counts_of(expert_token_num), expected.expert_token_num);
   const NpyArray permute_weight = out("permute_topk_weight.npy");
   if (has_weight) {
     EXPECT_EQ(permute_weight.shape, weight.shape);
@@ -278,7 +294,7 @@ TEST(StaticShapes, RunAndInverseFollowTheAlignedLayout) {
     testing::ReferenceInputs ref;
     ref.num_ranks = 3;
     ref.num_experts = 5;
-    ref.counts = int_values(counts);
+    ref.counts = counts_of(counts);
     ref.tokens = tokens.data.data();
     ref.token_row_bytes = row_bytes(tokens);
     ref.scales = scales.data.data();
@@ -300,7 +316,7 @@ TEST(StaticShapes, RunAndInverseFollowTheAlignedLayout) {
     EXPECT_TRUE(specified(out("permute_per_token_scales.npy"), expected.scales));
     EXPECT_TRUE(specified(out("permute_topk_weight.npy"), expected.weight));
     EXPECT_TRUE(bytes_of(out("permute_token_idx.npy")) == bytes_of(expected.token_idx));
-    EXPECT_EQ(int_values(out("expert_token_num.npy")), expected.expert_token_num);
+    EXPECT_EQ(counts_of(out("expert_token_num.npy")), expected.expert_token_num);
 
     // And back: R rows to A = 200, the 150 valid rows restored.
     const Result inverse = run_cli(

@@ -1,9 +1,8 @@
 // moe-reroute init-routing and finalize-routing end to end: random inputs
-// written as .npy files, every output byte compared with a naive reference
-// written here, and every bad input refused with exit status 2, one `error:`
-// line naming the argument, and the earlier outputs left as they were.
-
-#include "moe_reroute/routing.h"
+// written as .npy files, every output byte compared with the naive reference
+// (testing/routing_reference.h), and every bad input refused with exit status
+// 2, one `error:` line naming the argument, and the earlier outputs left as
+// they were.
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -21,10 +20,11 @@
 #include <utility>
 #include <vector>
 
+#include "moe_reroute/routing.h"
 #include "npy.h"
-#include "npy_values.h"
 #include "program.h"
 #include "refusal.h"
+#include "routing_reference.h"
 
 namespace moe_reroute::tools {
 namespace {
@@ -44,8 +44,8 @@ std::string save(const std::filesystem::path& path, const NpyArray& array) {
   return path.string();
 }
 
-template <typename Int>
-NpyArray int_array(const std::vector<std::int64_t>& values, std::vector<std::int64_t> shape) {
+template <typename Int, typename Value>
+NpyArray int_array(const std::vector<Value>& values, std::vector<std::int64_t> shape) {
   NpyArray array{sizeof(Int) == 8 ? "<i8" : "<i4", std::move(shape), {}};
   array.data.resize(values.size() * sizeof(Int));
   for (std::size_t i = 0; i < values.size(); ++i) {
@@ -55,44 +55,15 @@ NpyArray int_array(const std::vector<std::int64_t>& values, std::vector<std::int
   return array;
 }
 
-// The float dtypes of finalize-routing, by name: the .npy storage and the
-// conversions of the contract (to float32 exactly, back rounding to nearest even).
+// The float dtypes of finalize-routing, by name.
 std::string float_descr(const std::string& dtype) {
   return dtype == "float32" ? "<f4" : dtype == "float16" ? "<f2" : "<u2";
 }
 
-float load_float(const std::byte* p, const std::string& dtype) {
-  if (dtype == "float32") {
-    float value = 0;
-    std::memcpy(&value, p, 4);
-    return value;
-  }
-  std::uint16_t bits = 0;
-  std::memcpy(&bits, p, 2);
-  if (dtype == "float16") {
-    _Float16 half = 0;
-    std::memcpy(&half, &bits, 2);
-    return static_cast<float>(half);
-  }
-  const std::uint32_t wide = std::uint32_t{bits} << 16;
-  float value = 0;
-  std::memcpy(&value, &wide, 4);
-  return value;
-}
-
-void store_float(float value, std::byte* p, const std::string& dtype) {
-  if (dtype == "float32") {
-    std::memcpy(p, &value, 4);
-  } else if (dtype == "float16") {
-    const _Float16 half = static_cast<_Float16>(value);
-    std::memcpy(p, &half, 2);
-  } else {
-    std::uint32_t bits = 0;
-    std::memcpy(&bits, &value, 4);
-    const std::uint16_t rounded =
-        static_cast<std::uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-    std::memcpy(p, &rounded, 2);
-  }
+testing::FloatType float_type(const std::string& dtype) {
+  return dtype == "float32"   ? testing::FloatType::kFloat32
+         : dtype == "float16" ? testing::FloatType::kFloat16
+                              : testing::FloatType::kBFloat16;
 }
 
 NpyArray random_floats(std::mt19937_64& rng, const std::string& dtype,
@@ -102,7 +73,8 @@ NpyArray random_floats(std::mt19937_64& rng, const std::string& dtype,
   array.data.resize(static_cast<std::size_t>(elements(array.shape) * size));
   std::uniform_real_distribution<float> value(-bound, bound);
   for (std::int64_t i = 0; i < elements(array.shape); ++i) {
-    store_float(value(rng), array.data.data() + i * size, dtype);
+    const std::vector<std::byte> bytes = testing::reference_store(float_type(dtype), value(rng));
+    std::memcpy(array.data.data() + i * size, bytes.data(), bytes.size());
   }
   return array;
 }
@@ -118,111 +90,6 @@ std::vector<std::int64_t> random_ids(std::mt19937_64& rng, std::int64_t count, s
   return ids;
 }
 
-// A naive moe_init_routing (docs/spec.md), rows moved as bytes.
-struct InitExpected {
-  NpyArray expanded_x, expanded_row_idx, expert_tokens_count_or_cumsum,
-      expert_tokens_before_capacity;
-};
-
-InitExpected reference_init(const NpyArray& x, const std::vector<std::int64_t>& ids, std::int64_t k,
-                            const InitRoutingAttributes& a) {
-  const std::int64_t num_tokens = x.shape[0], n = num_tokens * k;
-  const std::int64_t row_bytes =
-      static_cast<std::int64_t>(x.data.size()) / std::max<std::int64_t>(num_tokens, 1);
-  std::vector<std::int64_t> order(static_cast<std::size_t>(n));
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](std::int64_t p, std::int64_t q) { return ids[p] < ids[q]; });
-  std::vector<std::int64_t> row_idx(static_cast<std::size_t>(n), -1), counts(a.expert_num, 0);
-  for (std::int64_t id : ids) {
-    if (id < a.expert_num) ++counts[id];
-  }
-  std::vector<std::int64_t> x_shape(x.shape.begin() + 1, x.shape.end());
-  std::vector<std::byte> rows;
-  std::vector<std::int64_t> count_or_cumsum, before_capacity;
-  const auto copy_row = [&](std::int64_t dst, std::int64_t p) {
-    std::memcpy(rows.data() + dst * row_bytes, x.data.data() + p / k * row_bytes, row_bytes);
-  };
-  if (a.drop_pad_mode == kDropless) {
-    const std::int64_t num_rows = a.active_num == 0 ? n : std::min(a.active_num, n);
-    rows.resize(static_cast<std::size_t>(num_rows * row_bytes));
-    for (std::int64_t i = 0; i < n; ++i) {
-      row_idx[order[i]] = i;
-      if (i < num_rows) copy_row(i, order[i]);
-    }
-    x_shape.insert(x_shape.begin(), num_rows);
-    if (a.expert_tokens_count_or_cumsum_flag != kExpertTokensNone) count_or_cumsum = counts;
-    if (a.expert_tokens_count_or_cumsum_flag == kExpertTokensCumsum) {
-      std::partial_sum(counts.begin(), counts.end(), count_or_cumsum.begin());
-    }
-  } else {
-    const std::int64_t capacity = a.expert_capacity;
-    rows.resize(static_cast<std::size_t>(a.expert_num * capacity * row_bytes));
-    std::vector<std::int64_t> seen(a.expert_num, 0);
-    for (std::int64_t p : order) {
-      const std::int64_t c = seen[ids[p]]++;
-      if (c < capacity) {
-        row_idx[p] = ids[p] * capacity + c;
-        copy_row(row_idx[p], p);
-      }
-    }
-    x_shape.insert(x_shape.begin(), {a.expert_num, capacity});
-    if (a.expert_tokens_before_capacity_flag) before_capacity = counts;
-  }
-  const auto int32 = [](const std::vector<std::int64_t>& values) {
-    return int_array<std::int32_t>(values, {static_cast<std::int64_t>(values.size())});
-  };
-  return {NpyArray{x.descr, x_shape, rows}, int32(row_idx), int32(count_or_cumsum),
-          int32(before_capacity)};
-}
-
-// A naive moe_finalize_routing: the contract's float32 steps, one at a time.
-struct FinalizeInputs {
-  std::string dtype, scales_dtype;
-  std::int64_t mode = 0;
-  NpyArray expanded_x, expanded_row_idx;
-  std::optional<NpyArray> x1, x2, bias, scales, expert_idx;
-};
-
-NpyArray reference_finalize(const FinalizeInputs& in, std::int64_t num_tokens,
-                            std::int64_t hidden) {
-  const std::int64_t k = in.scales ? in.scales->shape[1] : 1;
-  const bool capacity =
-      in.mode == kFinalizeColumnMajorCapacity || in.mode == kFinalizeRowMajorCapacity;
-  const bool column_major =
-      in.mode == kFinalizeColumnMajor || in.mode == kFinalizeColumnMajorCapacity;
-  const std::int64_t num_rows = elements(in.expanded_x.shape) / hidden;
-  const std::int64_t size = itemsize(in.expanded_x.descr);
-  const std::vector<std::int64_t> row_idx = int_values(in.expanded_row_idx);
-  const std::vector<std::int64_t> expert_idx =
-      in.expert_idx ? int_values(*in.expert_idx) : std::vector<std::int64_t>{};
-  const auto at = [&](const NpyArray& array, std::int64_t row, std::int64_t h) {
-    return load_float(array.data.data() + (row * hidden + h) * size, in.dtype);
-  };
-  NpyArray out{in.expanded_x.descr, {num_tokens, hidden}, {}};
-  out.data.resize(static_cast<std::size_t>(num_tokens * hidden * size));
-  for (std::int64_t t = 0; t < num_tokens; ++t) {
-    for (std::int64_t h = 0; h < hidden; ++h) {
-      float y = 0.0f;
-      if (in.x1) y = at(*in.x1, t, h);
-      if (in.x2) y = y + at(*in.x2, t, h);
-      for (std::int64_t j = 0; j < k; ++j) {
-        const std::int64_t row = row_idx[column_major ? j * num_tokens + t : t * k + j];
-        if (capacity ? row == -1 : row >= num_rows) continue;
-        float v = at(in.expanded_x, row, h);
-        if (in.bias) v = v + at(*in.bias, expert_idx[t * k + j], h);
-        if (in.scales) {
-          const std::int64_t scale_size = itemsize(in.scales->descr);
-          v = v * load_float(in.scales->data.data() + (t * k + j) * scale_size, in.scales_dtype);
-        }
-        y = y + v;
-      }
-      store_float(y, out.data.data() + (t * hidden + h) * size, in.dtype);
-    }
-  }
-  return out;
-}
-
 void expect_array(const NpyArray& got, const NpyArray& expected, const std::string& name) {
   EXPECT_EQ(got.descr, expected.descr) << name;
   EXPECT_EQ(got.shape, expected.shape) << name;
@@ -233,6 +100,29 @@ std::set<std::string> file_names(std::initializer_list<const char*> outputs) {
   std::set<std::string> names;
   for (const char* output : outputs) names.insert(std::string(output) + ".npy");
   return names;
+}
+
+using Flags = std::vector<std::pair<std::string, std::string>>;
+
+// `command` with `flags`, each of `replace` replacing its flag's value (or
+// removing the flag, where empty) or added, then `extra`.
+std::vector<std::string> command_line(const char* command, Flags flags, const Flags& replace = {},
+                                      const std::vector<std::string>& extra = {}) {
+  for (const auto& [flag, value] : replace) {
+    const auto it =
+        std::find_if(flags.begin(), flags.end(), [&](const auto& f) { return f.first == flag; });
+    if (it == flags.end()) {
+      flags.emplace_back(flag, value);
+    } else {
+      it->second = value;
+    }
+  }
+  std::vector<std::string> result = {command};
+  for (const auto& [flag, value] : flags) {
+    if (!value.empty()) result.insert(result.end(), {flag, value});
+  }
+  result.insert(result.end(), extra.begin(), extra.end());
+  return result;
 }
 
 struct InitCase {
@@ -260,42 +150,46 @@ TEST_P(InitRouting, MatchesTheReference) {
   const NpyArray expert_idx = c.int64_ids ? int_array<std::int64_t>(ids, {c.num_tokens, c.k})
                                           : int_array<std::int32_t>(ids, {c.num_tokens, c.k});
 
-  std::vector<std::string> args = {"init-routing",
-                                   "--x",
-                                   save(dir / "x.npy", x),
-                                   "--expert-idx",
-                                   save(dir / "expert_idx.npy", expert_idx),
-                                   "--active-num",
-                                   std::to_string(a.active_num),
-                                   "--expert-capacity",
-                                   std::to_string(a.expert_capacity),
-                                   "--expert-num",
-                                   std::to_string(a.expert_num),
-                                   "--drop-pad-mode",
-                                   std::to_string(a.drop_pad_mode),
-                                   "--expert-tokens-count-or-cumsum-flag",
-                                   std::to_string(a.expert_tokens_count_or_cumsum_flag),
-                                   "--out",
-                                   (dir / "out").string()};
-  if (a.expert_tokens_before_capacity_flag) args.push_back("--expert-tokens-before-capacity-flag");
+  Flags flags = {{"--x", save(dir / "x.npy", x)},
+                 {"--expert-idx", save(dir / "expert_idx.npy", expert_idx)},
+                 {"--active-num", std::to_string(a.active_num)},
+                 {"--expert-capacity", std::to_string(a.expert_capacity)},
+                 {"--expert-num", std::to_string(a.expert_num)},
+                 {"--drop-pad-mode", std::to_string(a.drop_pad_mode)},
+                 {"--expert-tokens-count-or-cumsum-flag",
+                  std::to_string(a.expert_tokens_count_or_cumsum_flag)},
+                 {"--out", (dir / "out").string()}};
   if (c.descr == "<u2" || (c.descr == "|u1" && c.dtype != "uint8")) {
-    args.insert(args.end(), {"--x-dtype", c.dtype});
+    flags.emplace_back("--x-dtype", c.dtype);
   }
-  const Result result = run_cli(args);
+  std::vector<std::string> extra;
+  if (a.expert_tokens_before_capacity_flag) extra.push_back("--expert-tokens-before-capacity-flag");
+  const Result result = run_cli(command_line("init-routing", flags, {}, extra));
   ASSERT_EQ(result.status, 0) << result.err;
   EXPECT_EQ(result.err, "");
 
   EXPECT_EQ(listing(dir / "out"),
             file_names({"expanded_x", "expanded_row_idx", "expert_tokens_count_or_cumsum",
                         "expert_tokens_before_capacity"}));
-  const InitExpected expected = reference_init(x, ids, c.k, a);
-  for (const auto& [name, array] :
-       {std::pair{"expanded_x", &expected.expanded_x},
-        {"expanded_row_idx", &expected.expanded_row_idx},
-        {"expert_tokens_count_or_cumsum", &expected.expert_tokens_count_or_cumsum},
-        {"expert_tokens_before_capacity", &expected.expert_tokens_before_capacity}}) {
-    const std::string file = std::string(name) + ".npy";
-    expect_array(read_npy(dir / "out" / file, name), *array, name);
+  const std::int64_t row_bytes = c.stored_hidden * itemsize(c.descr);
+  const testing::InitReferenceOutputs expected = testing::reference_init_routing(
+      {x.data.data(), c.num_tokens, row_bytes, ids, c.k, a.active_num, a.expert_capacity,
+       a.expert_num, a.drop_pad_mode, a.expert_tokens_count_or_cumsum_flag,
+       a.expert_tokens_before_capacity_flag});
+  const std::vector<std::int64_t> x_shape =
+      a.drop_pad_mode == kDropPad
+          ? std::vector<std::int64_t>{a.expert_num, a.expert_capacity, c.stored_hidden}
+          : std::vector<std::int64_t>{
+                static_cast<std::int64_t>(expected.expanded_x.size()) / row_bytes, c.stored_hidden};
+  const auto int32 = [](const std::vector<std::int32_t>& values) {
+    return int_array<std::int32_t>(values, {static_cast<std::int64_t>(values.size())});
+  };
+  for (const auto& [name, array] : std::vector<std::pair<const char*, NpyArray>>{
+           {"expanded_x", {x.descr, x_shape, expected.expanded_x}},
+           {"expanded_row_idx", int32(expected.expanded_row_idx)},
+           {"expert_tokens_count_or_cumsum", int32(expected.count_or_cumsum)},
+           {"expert_tokens_before_capacity", int32(expected.before_capacity)}}) {
+    expect_array(read_npy(dir / "out" / (std::string(name) + ".npy"), name), array, name);
   }
 }
 
@@ -362,54 +256,66 @@ TEST_P(FinalizeRouting, MatchesTheReference) {
   const std::int64_t T = c.num_tokens, k = c.k, H = c.hidden, n = T * k;
   const bool capacity =
       c.mode == kFinalizeColumnMajorCapacity || c.mode == kFinalizeRowMajorCapacity;
-  FinalizeInputs in;
-  in.dtype = c.dtype;
-  in.scales_dtype = c.scales_dtype.empty() ? c.dtype : c.scales_dtype;
-  in.mode = c.mode;
-  std::vector<std::int64_t> row_idx(static_cast<std::size_t>(n));
+  const std::string scales_dtype = c.scales_dtype.empty() ? c.dtype : c.scales_dtype;
+  NpyArray expanded_x;
+  std::vector<std::int64_t> rows(static_cast<std::size_t>(n));
   if (capacity) {
-    in.expanded_x = random_floats(rng, c.dtype, {c.num_experts, c.capacity, H}, 4);
+    expanded_x = random_floats(rng, c.dtype, {c.num_experts, c.capacity, H}, 4);
     std::uniform_int_distribution<std::int64_t> slot(-1, c.num_experts * c.capacity - 1);
-    for (std::int64_t& row : row_idx) row = slot(rng);
+    for (std::int64_t& row : rows) row = slot(rng);
   } else {
-    in.expanded_x = random_floats(rng, c.dtype, {n - c.dropped_rows, H}, 4);
-    std::iota(row_idx.begin(), row_idx.end(), 0);
-    std::shuffle(row_idx.begin(), row_idx.end(), rng);
+    expanded_x = random_floats(rng, c.dtype, {n - c.dropped_rows, H}, 4);
+    std::iota(rows.begin(), rows.end(), 0);
+    std::shuffle(rows.begin(), rows.end(), rng);
   }
-  in.expanded_row_idx = int_array<std::int32_t>(row_idx, {n});
-  if (c.has("x1")) in.x1 = random_floats(rng, c.dtype, {T, H}, 4);
-  if (c.has("x2")) in.x2 = random_floats(rng, c.dtype, {T, H}, 4);
+  const NpyArray expanded_row_idx = int_array<std::int32_t>(rows, {n});
+  std::optional<NpyArray> x1, x2, bias, scales, expert_idx;
+  if (c.has("x1")) x1 = random_floats(rng, c.dtype, {T, H}, 4);
+  if (c.has("x2")) x2 = random_floats(rng, c.dtype, {T, H}, 4);
   if (c.has("bias")) {
-    in.bias = random_floats(rng, c.dtype, {c.num_experts, H}, 4);
-    in.expert_idx = int_array<std::int32_t>(random_ids(rng, n, c.num_experts, 0.0), {T, k});
+    bias = random_floats(rng, c.dtype, {c.num_experts, H}, 4);
+    expert_idx = int_array<std::int32_t>(random_ids(rng, n, c.num_experts, 0.0), {T, k});
   }
-  if (c.has("scales")) in.scales = random_floats(rng, in.scales_dtype, {T, k}, 2);
+  if (c.has("scales")) scales = random_floats(rng, scales_dtype, {T, k}, 2);
 
-  std::vector<std::string> args = {"finalize-routing",
-                                   "--expanded-x",
-                                   save(dir / "expanded_x.npy", in.expanded_x),
-                                   "--expanded-row-idx",
-                                   save(dir / "expanded_row_idx.npy", in.expanded_row_idx),
-                                   "--drop-pad-mode",
-                                   std::to_string(c.mode),
-                                   "--out",
-                                   (dir / "out").string()};
-  for (const auto& [flag, array] : {std::pair{"--x1", &in.x1},
-                                    {"--x2", &in.x2},
-                                    {"--bias", &in.bias},
-                                    {"--scales", &in.scales},
-                                    {"--expert-idx", &in.expert_idx}}) {
-    if (*array) args.insert(args.end(), {flag, save(dir / (flag + 2), **array)});
+  Flags flags = {{"--expanded-x", save(dir / "expanded_x.npy", expanded_x)},
+                 {"--expanded-row-idx", save(dir / "expanded_row_idx.npy", expanded_row_idx)},
+                 {"--drop-pad-mode", std::to_string(c.mode)},
+                 {"--out", (dir / "out").string()}};
+  for (const auto& [flag, array] : {std::pair{"--x1", &x1},
+                                    {"--x2", &x2},
+                                    {"--bias", &bias},
+                                    {"--scales", &scales},
+                                    {"--expert-idx", &expert_idx}}) {
+    if (*array) flags.emplace_back(flag, save(dir / (flag + 2), **array));
   }
-  if (c.dtype == "bfloat16") args.insert(args.end(), {"--expanded-x-dtype", "bfloat16"});
-  if (c.has("scales") && in.scales_dtype == "bfloat16") {
-    args.insert(args.end(), {"--scales-dtype", "bfloat16"});
-  }
-  const Result result = run_cli(args);
+  if (c.dtype == "bfloat16") flags.emplace_back("--expanded-x-dtype", "bfloat16");
+  if (scales && scales_dtype == "bfloat16") flags.emplace_back("--scales-dtype", "bfloat16");
+  const Result result = run_cli(command_line("finalize-routing", flags));
   ASSERT_EQ(result.status, 0) << result.err;
   EXPECT_EQ(result.err, "");
   EXPECT_EQ(listing(dir / "out"), file_names({"out"}));
-  expect_array(read_npy(dir / "out" / "out.npy", "out"), reference_finalize(in, T, H), "out");
+
+  const auto data = [](const std::optional<NpyArray>& array) -> const void* {
+    return array ? array->data.data() : nullptr;
+  };
+  testing::FinalizeReferenceInputs ref;
+  ref.dtype = float_type(c.dtype);
+  ref.scales_dtype = float_type(scales_dtype);
+  ref.num_tokens = T;
+  ref.top_k = k;
+  ref.hidden = H;
+  ref.drop_pad_mode = c.mode;
+  ref.expanded_x = expanded_x.data.data();
+  ref.expanded_rows = elements(expanded_x.shape) / H;
+  ref.expanded_row_idx = reinterpret_cast<const std::int32_t*>(expanded_row_idx.data.data());
+  ref.x1 = data(x1);
+  ref.x2 = data(x2);
+  ref.bias = data(bias);
+  ref.scales = data(scales);
+  ref.expert_idx = static_cast<const std::int32_t*>(data(expert_idx));
+  expect_array(read_npy(dir / "out" / "out.npy", "out"),
+               {expanded_x.descr, {T, H}, testing::reference_finalize_routing(ref)}, "out");
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -461,7 +367,7 @@ class BadRoutingInput : public ::testing::Test {
         {"--out", (dir_ / "finalize_out").string()}};
     for (const auto* flags : {&init_, &finalize_}) {
       const Result first =
-          run_cli(args(flags == &init_ ? "init-routing" : "finalize-routing", *flags, {}, {}));
+          run_cli(command_line(flags == &init_ ? "init-routing" : "finalize-routing", *flags));
       ASSERT_EQ(first.status, 0) << first.err;
     }
     before_ = snapshot();
@@ -483,29 +389,6 @@ class BadRoutingInput : public ::testing::Test {
     return file(name, random_floats(rng, dtype, std::move(shape), 1));
   }
 
-  using Flags = std::vector<std::pair<std::string, std::string>>;
-
-  // `command` with `flags`, each of `replace` replacing its flag's value (or
-  // removing the flag, where empty) or added, then `extra`.
-  static std::vector<std::string> args(const char* command, Flags flags, const Flags& replace,
-                                       const std::vector<std::string>& extra) {
-    for (const auto& [flag, value] : replace) {
-      const auto it =
-          std::find_if(flags.begin(), flags.end(), [&](const auto& f) { return f.first == flag; });
-      if (it == flags.end()) {
-        flags.emplace_back(flag, value);
-      } else {
-        it->second = value;
-      }
-    }
-    std::vector<std::string> result = {command};
-    for (const auto& [flag, value] : flags) {
-      if (!value.empty()) result.insert(result.end(), {flag, value});
-    }
-    result.insert(result.end(), extra.begin(), extra.end());
-    return result;
-  }
-
   std::map<std::string, std::string> snapshot() const {
     std::map<std::string, std::string> files;
     for (const char* out : {"init_out", "finalize_out"}) {
@@ -518,19 +401,19 @@ class BadRoutingInput : public ::testing::Test {
     return files;
   }
 
-  void expect_refused(const std::vector<std::string>& command_line, const std::string& message) {
-    expect_bad_input(run_cli(command_line), message);
+  void expect_refused(const std::vector<std::string>& args, const std::string& message) {
+    expect_bad_input(run_cli(args), message);
     EXPECT_TRUE(snapshot() == before_) << "an output changed on error: " << message;
   }
   void expect_init_refused(const Flags& replace, const std::string& message,
                            const std::vector<std::string>& extra = {}) {
     SCOPED_TRACE(message);
-    expect_refused(args("init-routing", init_, replace, extra), message);
+    expect_refused(command_line("init-routing", init_, replace, extra), message);
   }
   void expect_finalize_refused(const Flags& replace, const std::string& message,
                                const std::vector<std::string>& extra = {}) {
     SCOPED_TRACE(message);
-    expect_refused(args("finalize-routing", finalize_, replace, extra), message);
+    expect_refused(command_line("finalize-routing", finalize_, replace, extra), message);
   }
 
   TestDir dir_;
@@ -611,9 +494,8 @@ TEST_F(BadRoutingInput, FinalizeRowIndexValues) {
   expect_finalize_refused({{"--expanded-row-idx", ints("m2.npy", rows, {kTokens * kK})}},
                           "expanded_row_idx: [5] = -2 is below -1");
   rows[5] = -1;
-  expect_finalize_refused(
-      {{"--expanded-row-idx", ints("m1.npy", rows, {kTokens * kK})}},
-      "expanded_row_idx: [5] = -1: -1 (a dropped row) needs drop_pad_mode 1 or 3");
+  expect_finalize_refused({{"--expanded-row-idx", ints("m1.npy", rows, {kTokens * kK})}},
+                          "expanded_row_idx: [5] = -1 (a dropped row) needs drop_pad_mode 1 or 3");
   rows[5] = kExperts * 8;  // E * C in mode 3, with expanded_x [E, C, H]
   expect_finalize_refused({{"--drop-pad-mode", "3"},
                            {"--expanded-x", floats("exc.npy", {kExperts, 8, kHidden})},
@@ -645,8 +527,7 @@ TEST_F(BadRoutingInput, FilesAndFlags) {
       "x1: --expanded-x-dtype bfloat16 is stored as <u2", {"--expanded-x-dtype", "bfloat16"});
   expect_finalize_refused({{"--drop-pad-mode", "-9223372036854775809"}},
                           "--drop-pad-mode: -9223372036854775809 does not fit in int64");
-  expect_finalize_refused({{"--out", file("plain.npy", int_array<std::int32_t>({1}, {1}))}},
-                          "out: cannot create");
+  expect_finalize_refused({{"--out", ints("plain.npy", {1}, {1})}}, "out: cannot create");
 }
 
 // A rename that fails part-way (the fourth output is a non-empty directory)
