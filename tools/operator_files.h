@@ -32,6 +32,7 @@ void check_named_file(const std::string& path, const std::string& dtype_name,
                       std::string_view argument, std::string_view path_flag,
                       std::string_view dtype_flag);
 
+/// The view of an optional input.
 std::optional<TensorView> view_of(const std::optional<LoadedTensor>& loaded);
 
 /// Output buffers for `specs`, in their order.
