@@ -528,6 +528,9 @@ TEST_F(BadRoutingInput, FilesAndFlags) {
   expect_finalize_refused({{"--drop-pad-mode", "-9223372036854775809"}},
                           "--drop-pad-mode: -9223372036854775809 does not fit in int64");
   expect_finalize_refused({{"--out", ints("plain.npy", {1}, {1})}}, "out: cannot create");
+  // A refused call creates no output directory either.
+  expect_finalize_refused({{"--x1", ""}, {"--out", (dir_ / "never").string()}}, "x2: needs x1");
+  EXPECT_FALSE(std::filesystem::exists(dir_ / "never"));
 }
 
 // A rename that fails part-way (the fourth output is a non-empty directory)
