@@ -14,6 +14,7 @@
 #include <map>
 #include <numeric>
 #include <optional>
+#include <ostream>
 #include <random>
 #include <set>
 #include <string>
@@ -135,6 +136,8 @@ struct InitCase {
   std::int64_t num_ids = 0;  // the ids' range where expert_num is 0
 };
 
+void PrintTo(const InitCase& c, std::ostream* os) { *os << c.name; }
+
 class InitRouting : public ::testing::TestWithParam<InitCase> {};
 
 TEST_P(InitRouting, MatchesTheReference) {
@@ -246,6 +249,8 @@ struct FinalizeCase {
     return (" " + optional_inputs + " ").find(" " + input + " ") != std::string::npos;
   }
 };
+
+void PrintTo(const FinalizeCase& c, std::ostream* os) { *os << c.name; }
 
 class FinalizeRouting : public ::testing::TestWithParam<FinalizeCase> {};
 
