@@ -158,6 +158,10 @@ std::vector<std::byte> reference_store(FloatType type, float value) {
 #if defined(__FLT16_MANT_DIG__)
     const auto half = static_cast<_Float16>(value);
     std::memcpy(bytes.data(), &half, 2);
+    if (std::isnan(value)) {  // the contract's one NaN: the sign and 0x7e00, as torch gives it
+      const std::uint16_t nan = static_cast<std::uint16_t>((std::signbit(value) ? 0x8000 : 0) | 0x7e00);
+      std::memcpy(bytes.data(), &nan, 2);
+    }
 #else
     const std::uint16_t bits = float16_of(value);
     std::memcpy(bytes.data(), &bits, 2);

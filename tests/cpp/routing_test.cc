@@ -439,6 +439,31 @@ TEST(FinalizeRouting, AnEmptyCallOfLongRowsAllocatesNothing) {
   }
 }
 
+TEST(FinalizeRouting, ANaNBecomesTheOneQuietNaN) {
+  // float16 NaNs of any payload and sign give the sign and 0x7e00; bfloat16 0x7fc0.
+  const std::uint16_t half_nans[] = {0x7d01, 0xfe55, 0x7fff};
+  const std::int32_t rows[] = {0, 1, 2};
+  std::uint16_t out[3] = {};
+  moe_finalize_routing({TensorView(half_nans, DType::kFloat16, {3, 1}),
+                        TensorView(rows, DType::kInt32, {3})},
+                       {TensorView(out, DType::kFloat16, {3, 1})});
+  EXPECT_EQ(out[0], 0x7e00);
+  EXPECT_EQ(out[1], 0xfe00);
+  EXPECT_EQ(out[2], 0x7e00);
+  for (int i = 0; i < 3; ++i) {
+    const std::vector<std::byte> want = testing::reference_store(
+        FloatType::kFloat16, testing::reference_load(FloatType::kFloat16, half_nans, i));
+    EXPECT_EQ(std::memcmp(&out[i], want.data(), 2), 0) << i;
+  }
+  const std::uint16_t bfloat_nans[] = {0x7f81, 0xffc3, 0x7fc0};
+  moe_finalize_routing({TensorView(bfloat_nans, DType::kBFloat16, {3, 1}),
+                        TensorView(rows, DType::kInt32, {3})},
+                       {TensorView(out, DType::kBFloat16, {3, 1})});
+  EXPECT_EQ(out[0], 0x7fc0);
+  EXPECT_EQ(out[1], 0x7fc0);
+  EXPECT_EQ(out[2], 0x7fc0);
+}
+
 struct BadFinalize {
   std::string argument;
   std::function<void(FinalizeRoutingInputs&, FinalizeRoutingAttributes&)> change;
