@@ -308,11 +308,10 @@ FinalizeRoutingCall validate(const FinalizeRoutingInputs& inputs,
   if (inputs.scales) {
     const TensorView& scales = *inputs.scales;
     check_view(scales, "scales", 2, "[T, k]");
-    if (scales.dtype() != dtype && !(dtype == DType::kBFloat16 && scales.dtype() == DType::kFloat32)) {
+    if (scales.dtype() != dtype && scales.dtype() != DType::kFloat32) {
       fail(ErrorCode::kUnsupported,
            "scales: dtype " + std::string(dtype_name(scales.dtype())) + " does not pair with " +
-               "expanded_x's " + std::string(dtype_name(dtype)) +
-               " (the same dtype, or float32 with bfloat16)");
+               "expanded_x's " + std::string(dtype_name(dtype)) + " (the same dtype, or float32)");
     }
     call.num_tokens = scales.shape()[0];
     call.top_k = scales.shape()[1];

@@ -74,7 +74,7 @@ struct FinalizeRoutingInputs {
   std::optional<TensorView> x1 = std::nullopt;          // [T, H], expanded_x's dtype
   std::optional<TensorView> x2 = std::nullopt;          // [T, H], needs x1
   std::optional<TensorView> bias = std::nullopt;        // [E, H], needs expert_idx
-  std::optional<TensorView> scales = std::nullopt;      // [T, k]; float32 with bfloat16 too
+  std::optional<TensorView> scales = std::nullopt;      // [T, k]: expanded_x's dtype, or float32
   std::optional<TensorView> expert_idx = std::nullopt;  // [T, k] int32
 };
 

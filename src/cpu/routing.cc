@@ -201,6 +201,7 @@ void finalize_routing(const FinalizeRoutingCall& call, const FinalizeRoutingInpu
   const bool float_scales = inputs.scales && inputs.scales->dtype() == DType::kFloat32;
   switch (inputs.expanded_x.dtype()) {
     case DType::kFloat16:
+      if (float_scales) return finalize_with<Half, Float32>(call, inputs, outputs, num_threads);
       return finalize_with<Half, Half>(call, inputs, outputs, num_threads);
     case DType::kBFloat16:
       if (float_scales) return finalize_with<BFloat16, Float32>(call, inputs, outputs, num_threads);

@@ -360,6 +360,7 @@ void check_finalize(const FinalizeCase& c, std::uint64_t seed, int num_threads) 
 TEST(FinalizeRouting, MatchesTheReferenceBitwiseOverRandomCases) {
   const std::pair<FloatType, FloatType> dtypes[] = {
       {FloatType::kFloat16, FloatType::kFloat16},
+      {FloatType::kFloat16, FloatType::kFloat32},
       {FloatType::kBFloat16, FloatType::kBFloat16},
       {FloatType::kBFloat16, FloatType::kFloat32},
       {FloatType::kFloat32, FloatType::kFloat32}};
