@@ -4,10 +4,12 @@
 // counts (MPI_Alltoall) and the rows, scales and weights (MPI_Alltoallv),
 // then reorders with moe_re_routing; its combine is moe_re_routing_inverse,
 // MPI_Alltoallv back and moe_finalize_routing. Both allocate every buffer per
-// call, as NumPy and torch callers do. The first round checks that both give
+// call, as NumPy and torch callers do (freed memory kept, as a caching
+// allocator keeps it). The first round checks that both give
 // the same bytes; then rounds alternate which goes first, each call timed
 // between barriers as the slowest rank's time.
 
+#include <malloc.h>
 #include <mpi.h>
 
 #include <CLI/CLI.hpp>
@@ -271,6 +273,11 @@ int run(const Options& o, int rank, int size) {
 }  // namespace moe_reroute::bench
 
 int main(int argc, char** argv) {
+  // Both paths allocate their buffers every call. Freed memory stays with the
+  // process, as with a caching allocator: otherwise each call's page faults on
+  // fresh mappings cost more than its copies, by the allocator's history.
+  mallopt(M_MMAP_THRESHOLD, 1 << 30);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
   MPI_Init(&argc, &argv);
   int rank = 0, size = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);

@@ -11,6 +11,7 @@
 #include <string>
 #include <utility>
 
+#include "cpu/copy.h"
 #include "moe_reroute/routing.h"
 
 namespace moe_reroute::ep {
@@ -380,7 +381,8 @@ DispatchResult dispatch(MPI_Comm comm, const DispatchInputs& inputs,
   }
   alltoallw(comm, send_types, recv_types, size);
 
-  // This rank's own pairs, straight into place.
+  // This rank's own pairs, straight into place with the core's copy.
+  const bool stream = 2 * plan->num_padded_rows() * plan->bytes_per_row() > last_level_cache_bytes();
   std::int64_t i = handle.send_offset_[static_cast<std::size_t>(rank)];
   for (std::int64_t e = 0; e < experts_per_rank; ++e) {
     const std::size_t block = static_cast<std::size_t>(rank * experts_per_rank + e);
@@ -388,12 +390,13 @@ DispatchResult dispatch(MPI_Comm comm, const DispatchInputs& inputs,
     for (std::int32_t c = 0; c < recv_counts[block]; ++c, ++i) {
       for (int part = 0; part < 3; ++part) {
         if (part_bytes[part] == 0) continue;
-        std::memcpy(static_cast<std::byte*>(recv_base[part]) + (dst + c) * part_bytes[part],
-                    static_cast<const std::byte*>(send_base[part]) + send_row(part, i) * part_bytes[part],
-                    static_cast<std::size_t>(part_bytes[part]));
+        detail::copy_bytes(static_cast<std::byte*>(recv_base[part]) + (dst + c) * part_bytes[part],
+                           static_cast<const std::byte*>(send_base[part]) + send_row(part, i) * part_bytes[part],
+                           static_cast<std::size_t>(part_bytes[part]), stream);
       }
     }
   }
+  detail::stream_fence();
 
   // What moe_re_routing writes besides the moved rows: zero pad rows (and
   // zero scales without scales), the index, the per-expert numbers.
@@ -482,14 +485,17 @@ Tensor combine(const TensorView& expert_out, const Handle& handle, int num_threa
     recv_types.set(peer, std::span(&recv, 1));
   }
   alltoallw(comm, send_types, recv_types, size);
+  // This rank's own rows, with the core's copy (streaming stores past the cache).
+  const bool stream = 2 * pairs * row_bytes > last_level_cache_bytes();
   auto* own = static_cast<std::byte*>(expanded.data()) + handle.send_offset_[static_cast<std::size_t>(rank)] * row_bytes;
   for (std::int64_t e = 0; e < experts; ++e) {
     const std::size_t block = static_cast<std::size_t>(rank * experts + e);
     const std::int64_t bytes = handle.recv_counts_[block] * row_bytes;
-    std::memcpy(own, static_cast<const std::byte*>(expert_out.data) + handle.dst_offset_[block] * row_bytes,
-                static_cast<std::size_t>(bytes));
+    detail::copy_bytes(own, static_cast<const std::byte*>(expert_out.data) + handle.dst_offset_[block] * row_bytes,
+                       static_cast<std::size_t>(bytes), stream);
     own += bytes;
   }
+  detail::stream_fence();
 
   Tensor out({expert_out.dtype(), {handle.num_tokens(), shape[1]}});
   finalize.expanded_x = expanded.view();
