@@ -1,6 +1,6 @@
 #pragma once
 
-/// Expert-parallel dispatch and combine over MPI (docs/spec.md section 14),
+/// Expert-parallel dispatch and combine over MPI (docs/spec.md section 11),
 /// the component `moe_reroute::ep`: the sort by expert, the exchange and
 /// moe_re_routing as one step in which each token row crosses once, from the
 /// sender's x straight into its expert-major place at the receiver; and the

@@ -1,7 +1,7 @@
 // Expert-parallel dispatch and combine over MPI: local validation, one
 // bounded agreement, the core's sort by expert, the counts in one Alltoall,
 // then one MPI_Alltoallw whose hindexed datatypes take each row from where it
-// is read to where it is read next (docs/spec.md section 14).
+// is read to where it is read next (docs/spec.md section 11).
 
 #include "moe_reroute/ep.h"
 
