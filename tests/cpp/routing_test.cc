@@ -380,7 +380,7 @@ TEST(FinalizeRouting, MatchesTheReferenceBitwiseOverRandomCases) {
       }
     }
   }
-  EXPECT_EQ(cases, 4 * 4 * 16);
+  EXPECT_EQ(cases, 5 * 4 * 16);
 }
 
 TEST(FinalizeRouting, LargeCallsGiveTheSameBitsOnAnyThreadCount) {
