@@ -26,26 +26,28 @@ constexpr OutputDesc kInverseOutputs[] = {
     {"restored_topk_weight", kWeight, /*optional=*/true, OutputRows::kRows, true},
 };
 
-// In the order of the torch schemas, which are public and positional.
-const AttributeDesc kExpertTokenNumType{"expert_token_num_type", AttributeKind::kInt,
+// In the order of the torch schemas, which are public and positional. The
+// attributes are constexpr, so constant-initialized: the torch library reads
+// them from its static initializers, which may run before this file's.
+constexpr AttributeDesc kExpertTokenNumType{"expert_token_num_type", AttributeKind::kInt,
                                         kExpertTokenNumCount, &Attributes::expert_token_num_type,
                                         nullptr, "0 = cumsum, 1 = count"};
-const AttributeDesc kIdxType{"idx_type", AttributeKind::kInt, kIdxGather, &Attributes::idx_type,
+constexpr AttributeDesc kIdxType{"idx_type", AttributeKind::kInt, kIdxGather, &Attributes::idx_type,
                              nullptr, "0 = gather index, 1 = scatter index"};
-const AttributeDesc kTokensDType{
+constexpr AttributeDesc kTokensDType{
     "tokens_dtype", AttributeKind::kDTypeName, 0, nullptr, nullptr,
     "the logical dtype of unsigned token storage (bfloat16 for uint16; FP8, hifloat8, FP4 for "
     "uint8)"};
-const AttributeDesc kExpertAlignment{
+constexpr AttributeDesc kExpertAlignment{
     "expert_alignment", AttributeKind::kInt, 1, &Attributes::expert_alignment, nullptr,
     "k: pad each expert's segment to a multiple of k rows (docs/spec.md section 9)"};
-const AttributeDesc kAllowSpareRows{"allow_spare_rows", AttributeKind::kBool, 0, nullptr,
+constexpr AttributeDesc kAllowSpareRows{"allow_spare_rows", AttributeKind::kBool, 0, nullptr,
                                     &Attributes::allow_spare_rows,
                                     "the counts may sum to less than A (fixed-capacity buffers)"};
 
-const AttributeDesc kRerouteAttributes[] = {kExpertTokenNumType, kIdxType, kTokensDType,
+constexpr AttributeDesc kRerouteAttributes[] = {kExpertTokenNumType, kIdxType, kTokensDType,
                                             kExpertAlignment, kAllowSpareRows};
-const AttributeDesc kInverseAttributes[] = {kTokensDType, kExpertAlignment, kAllowSpareRows};
+constexpr AttributeDesc kInverseAttributes[] = {kTokensDType, kExpertAlignment, kAllowSpareRows};
 
 // moe_init_routing: (x, expert_idx) in, its outputs stored as their specs.
 constexpr InputDesc kInitInputs[] = {{"x"}, {"expert_idx"}};
@@ -58,7 +60,7 @@ constexpr OutputDesc kInitOutputs[] = {
 };
 
 using InitAttribute = AttributeDescOf<InitRoutingAttributes>;
-const InitAttribute kInitAttributes[] = {
+constexpr InitAttribute kInitAttributes[] = {
     {"active_num", AttributeKind::kInt, 0, &InitRoutingAttributes::active_num, nullptr,
      "rows of expanded_x in drop_pad_mode 0 (0: T * k)"},
     {"expert_capacity", AttributeKind::kInt, 0, &InitRoutingAttributes::expert_capacity, nullptr,
@@ -89,7 +91,7 @@ constexpr int kExpandedX = 0, kRowIdx = 1, kX1 = 2, kScalesIn = 5;
 constexpr OutputDesc kFinalizeOutputs[] = {{"out", kExpandedX}};
 
 using FinalizeAttribute = AttributeDescOf<FinalizeRoutingAttributes>;
-const FinalizeAttribute kFinalizeAttributes[] = {
+constexpr FinalizeAttribute kFinalizeAttributes[] = {
     {"drop_pad_mode", AttributeKind::kInt, kFinalizeColumnMajor,
      &FinalizeRoutingAttributes::drop_pad_mode, nullptr,
      "expanded_row_idx[j * T + t] (0, 1) or [t * k + j] (2, 3); expanded_x [T * k, H] (0, 2) "

@@ -3,6 +3,8 @@
 ``moe_re_routing`` reorders the rows received by the dispatch AlltoAll from
 (source rank, local expert) order to (local expert, source rank) order, with
 their scales and top-k weights; ``moe_re_routing_inverse`` puts them back.
+``moe_init_routing`` sorts a rank's tokens by expert before the dispatch;
+``moe_finalize_routing`` sums each token's k expert outputs after the combine.
 Torch tensors go to the C++ operators ``torch.ops.moe_reroute.*`` (loaded at
 import when this build has them, docs/torch.md); NumPy arrays go straight to
 the C++ core. The contract: docs/spec.md.
@@ -26,8 +28,8 @@ else:
     _TENSOR = ()  # isinstance(x, ()) is False: nothing goes to the torch operators
 
 __all__ = ["__version__", "cpu_output_cache_bytes", "cuda_check", "dtype_table",
-           "moe_re_routing", "moe_re_routing_inverse", "set_cpu_output_cache_limit",
-           "set_cuda_status_check"]
+           "moe_finalize_routing", "moe_init_routing", "moe_re_routing",
+           "moe_re_routing_inverse", "set_cpu_output_cache_limit", "set_cuda_status_check"]
 
 
 def dtype_table() -> list[dict]:
@@ -134,3 +136,63 @@ def moe_re_routing_inverse(tokens, expert_token_num_per_rank, *, per_token_scale
     return _numpy.inverse(
         (tokens, expert_token_num_per_rank, per_token_scales, expert_topk_weight),
         *_bridge.attributes(_bridge.INVERSE, (tokens_dtype, expert_alignment, allow_spare_rows)))
+
+
+def _routing(op: str, inputs: dict, attributes: dict):
+    """`op` on its `inputs` and `attributes`, each by name: torch tensors go
+    to its torch operator, NumPy arrays to the core."""
+    first = next(iter(inputs.values()))
+    if isinstance(first, _TENSOR):
+        return getattr(_torch.OPS, op)(**inputs, **attributes)
+    _refuse_torch(first)
+    arrays = [inputs[name] for name, _ in _bridge.OPERATORS[op]["inputs"]]
+    return _numpy.routing(op, arrays, _bridge.named_attributes(op, attributes))
+
+
+def moe_init_routing(x, expert_idx, *, active_num=0, expert_capacity=0, expert_num=0,
+                     drop_pad_mode=0, expert_tokens_count_or_cumsum_flag=0,
+                     expert_tokens_before_capacity_flag=False):
+    """Returns (expanded_x, expanded_row_idx, expert_tokens_count_or_cumsum,
+    expert_tokens_before_capacity): x's rows sorted by expert (the stable sort
+    of expert_idx flattened), as docs/spec.md's moe_init_routing section.
+
+    x [T, H] of a token dtype, expert_idx [T, k] int32/int64 ids.
+    drop_pad_mode 0: expanded_x [n, H] (n = T * k, or min(active_num, T * k)),
+    expanded_row_idx int32 [T * k] (each position's row), and with
+    expert_tokens_count_or_cumsum_flag 1 or 2 the int32 cumsum or count of
+    each of the expert_num experts. drop_pad_mode 1: expanded_x [E, C, H]
+    (E = expert_num, C = expert_capacity; unused slots zero, entries past C
+    dropped, their expanded_row_idx -1), and with
+    expert_tokens_before_capacity_flag the counts before dropping. Outputs a
+    mode does not make are empty (0,) int32. Torch tensors in, torch tensors
+    out (autograd: x's gradient sums its expanded rows'); NumPy in, NumPy out.
+    Raises TypeError (dtype) or ValueError (shape, value) naming the argument,
+    before writing anything.
+    """
+    return _routing(_bridge.INIT_ROUTING, dict(x=x, expert_idx=expert_idx), dict(
+        active_num=active_num, expert_capacity=expert_capacity, expert_num=expert_num,
+        drop_pad_mode=drop_pad_mode,
+        expert_tokens_count_or_cumsum_flag=expert_tokens_count_or_cumsum_flag,
+        expert_tokens_before_capacity_flag=expert_tokens_before_capacity_flag))
+
+
+def moe_finalize_routing(expanded_x, expanded_row_idx, *, x1=None, x2=None, bias=None,
+                         scales=None, expert_idx=None, drop_pad_mode=0):
+    """Returns out [T, H]: per token t, in float32, x1 + x2, then for j = 0 ..
+    k - 1 (expanded_x[row] + bias[expert_idx[t, j]]) * scales[t, j] added,
+    cast to expanded_x's dtype, as docs/spec.md's moe_finalize_routing section.
+
+    expanded_x [T * k, H] (drop_pad_mode 0, 2) or [E, C, H] (1, 3) float16,
+    bfloat16 or float32; expanded_row_idx int32 [T * k]: the row of (t, j) at
+    [j * T + t] (modes 0, 1) or [t * k + j] (modes 2, 3, moe_init_routing's
+    layout); rows -1 (modes 1, 3) or past expanded_x (modes 0, 2) are skipped.
+    x1, x2 [T, H], bias [E, H] (with expert_idx int32 [T, k]) of expanded_x's
+    dtype; scales [T, k] of that dtype, or float32 with bfloat16; k is
+    scales' dim 1, or 1 without scales. Torch tensors in, torch tensors out
+    (autograd for expanded_x, x1, x2, bias and scales); NumPy in, NumPy out.
+    Raises TypeError (dtype) or ValueError (shape, value) naming the argument,
+    before writing anything.
+    """
+    return _routing(_bridge.FINALIZE_ROUTING, dict(
+        expanded_x=expanded_x, expanded_row_idx=expanded_row_idx, x1=x1, x2=x2, bias=bias,
+        scales=scales, expert_idx=expert_idx), dict(drop_pad_mode=drop_pad_mode))

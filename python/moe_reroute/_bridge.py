@@ -14,7 +14,8 @@ _ROWS = {row["name"]: row for row in TABLE}
 
 # The core's description of each operator: its inputs, outputs and attributes.
 OPERATORS = _core.OPERATORS
-REROUTE, INVERSE = OPERATORS  # moe_re_routing, moe_re_routing_inverse
+# moe_re_routing, moe_re_routing_inverse, moe_init_routing, moe_finalize_routing
+REROUTE, INVERSE, INIT_ROUTING, FINALIZE_ROUTING = OPERATORS
 INPUT_NAMES = tuple(name for name, _ in OPERATORS[REROUTE]["inputs"])
 OUTPUT_NAMES = {op: tuple(output[0] for output in desc["outputs"])
                 for op, desc in OPERATORS.items()}
@@ -82,13 +83,20 @@ _PARSED = {}
 
 
 def _parsed(op: str, values) -> tuple:
-    result, tokens_dtype = _core.Attributes(), None
+    result, tokens_dtype = OPERATORS[op]["attributes_class"](), None
     for (name, kind, _), value in zip(OPERATORS[op]["attributes"], values):
         if kind == "dtype_name":
             tokens_dtype = None if value is None else checked(name, value, str)
         else:
             setattr(result, name, checked(name, value, _KINDS[kind]))
     return result, tokens_dtype
+
+
+def named_attributes(op: str, values: dict):
+    """The core's attributes of `op` (it has no dtype_name one) from `values`
+    by name, each type-checked."""
+    names = [name for name, _, _ in OPERATORS[op]["attributes"]]
+    return attributes(op, tuple(values[name] for name in names))[0]
 
 
 def forward_out(out) -> tuple:

@@ -10,13 +10,14 @@ import numpy as np
 from . import _bridge, _core
 
 
-def check_array(array, name: str):
-    """`array`, if a NumPy array; tokens decide the framework of a call."""
+def check_array(array, name: str, first: str = "tokens"):
+    """`array`, if a NumPy array; the call's first input (`first`) decides
+    the framework of a call."""
     if array is None:
         raise TypeError(f"{name}: must be given, got None")
     if not isinstance(array, np.ndarray):
-        expected = ("a numpy.ndarray or torch.Tensor" if name == "tokens"
-                    else "a numpy.ndarray, as tokens is one")
+        expected = ("a numpy.ndarray or torch.Tensor" if name == first
+                    else f"a numpy.ndarray, as {first} is one")
         raise TypeError(f"{name}: expected {expected}, got {_bridge.type_name(array)}")
     return array
 
@@ -29,11 +30,13 @@ def native(array):
     return np.asarray(array, order="C")  # not ascontiguousarray: it makes 0-D arrays 1-D
 
 
-def inputs(arrays) -> list:
-    """The inputs (the last two optional), copied to C order and native byte
-    order where they are not."""
-    return [None if a is None and i >= 2 else native(check_array(a, name))
-            for i, (a, name) in enumerate(zip(arrays, _bridge.INPUT_NAMES))]
+def inputs(arrays, op: str = _bridge.REROUTE) -> list:
+    """The inputs of `op` (None where optional and absent), copied to C order
+    and native byte order where they are not."""
+    described = _bridge.OPERATORS[op]["inputs"]
+    first = described[0][0]
+    return [None if a is None and optional else native(check_array(a, name, first))
+            for a, (name, optional) in zip(arrays, described)]
 
 
 def outputs(arrays, names) -> list:
@@ -61,3 +64,13 @@ def reroute(arrays, attributes, tokens_dtype, out):
 
 def inverse(arrays, attributes, tokens_dtype):
     return _core.inverse(inputs(arrays), attributes, tokens_dtype)
+
+
+_ROUTING = {_bridge.INIT_ROUTING: _core.init_routing,
+            _bridge.FINALIZE_ROUTING: _core.finalize_routing}
+
+
+def routing(op, arrays, attributes):
+    """moe_init_routing or moe_finalize_routing (`op`) on `arrays`, its
+    inputs in order, into fresh arrays that the core allocates by its specs."""
+    return _ROUTING[op](inputs(arrays, op), attributes)

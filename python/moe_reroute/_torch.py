@@ -1,7 +1,7 @@
 """The torch operators, defined and implemented in C++ (_torch_ops.so, imported
-here): ``torch.ops.moe_reroute.moe_re_routing``, ``moe_re_routing_out`` and
-``moe_re_routing_inverse``, with CPU, CUDA and autograd kernels that run no
-Python. What this module adds is how the public functions call them (FORWARD,
+here): ``torch.ops.moe_reroute.moe_re_routing``, ``moe_re_routing_out``,
+``moe_re_routing_inverse``, ``moe_init_routing`` and ``moe_finalize_routing``,
+with CPU, CUDA and autograd kernels that run no Python. What this module adds is how the public functions call them (FORWARD,
 FORWARD_OUT, INVERSE: in eager mode through the module's C++ entry points,
 which skip torch.ops' Python layer) and the fake kernels (FakeTensorMode,
 torch.compile, torch.export): the core's infer_reroute / infer_inverse run on
@@ -10,6 +10,8 @@ output's rows as a formula in the tokens' rows and E; and the vmap rules, which
 lay out a batch that shares its counts once (docs/torch.md)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch.overrides import has_torch_function
@@ -107,6 +109,44 @@ def _fake_kernel(name, infer):
 for _name, _infer_op in ((_bridge.REROUTE, _core.infer_reroute),
                          (_bridge.INVERSE, _core.infer_inverse)):
     torch.library.register_fake(f"moe_reroute::{_name}", _fake_kernel(_name, _infer_op))
+
+
+def _dim(formula, tensors):
+    """An output dim from the core's formula (output_dims) on the inputs'
+    possibly symbolic sizes: the sum of the terms, each its coefficient times
+    the product of its input dims, then at most at_most where that is >= 0."""
+    terms, at_most = formula
+    value = sum(coefficient * math.prod((tensors[i].shape[d] for i, d in factors), start=1)
+                for coefficient, factors in terms)
+    return value if at_most < 0 else torch.sym_min(value, at_most)
+
+
+def _routing_fake_kernel(name, infer):
+    """The fake kernel of the routing operator `name`, whose shape rules are
+    `infer`: the core decides on the size hints (raising eager's error), and
+    each output dim is its formula evaluated on the sizes, each output stored
+    like the input the description names for it (its dtype) or in its spec's
+    dtype, as the C++ kernel allocates it."""
+    inputs = [input_name for input_name, _ in _bridge.OPERATORS[name]["inputs"]]
+
+    def kernel(*args):
+        # The dispatcher leaves out trailing defaults.
+        tensors = (*args[:len(inputs)], *[None] * (len(inputs) - len(args)))
+        attributes, _ = _attributes(name, args[len(inputs):])
+        outputs = []
+        for spec in infer([_describe(t, n) for t, n in zip(tensors, inputs)], attributes):
+            source = tensors[spec.stored_like] if spec.stored_like is not None else None
+            dtype = (source.dtype if source is not None
+                     else getattr(torch, _bridge.row(spec.dtype)["torch_name"]))
+            outputs.append(tensors[0].new_empty([_dim(f, tensors) for f in spec.dims],
+                                                dtype=dtype))
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+    return kernel
+
+
+for _name, _infer_op in ((_bridge.INIT_ROUTING, _core.infer_init_routing),
+                         (_bridge.FINALIZE_ROUTING, _core.infer_finalize_routing)):
+    torch.library.register_fake(f"moe_reroute::{_name}", _routing_fake_kernel(_name, _infer_op))
 
 
 @torch.library.register_fake("moe_reroute::moe_re_routing_out")

@@ -48,11 +48,11 @@ void fail_not_contiguous(std::string_view arg) {
        std::string(arg) + ": must be contiguous (dense row-major); got strides that are not");
 }
 
-void fail_device(std::string_view arg, std::string_view tokens_device) {
+void fail_device(std::string_view arg, std::string_view device, std::string_view first) {
   fail(ErrorCode::kInvalidArgument,
        std::string(arg) + ": must be " +
-           (tokens_device == "cpu" ? std::string("in CPU memory like tokens")
-                                   : "on " + std::string(tokens_device) + " like tokens"));
+           (device == "cpu" ? std::string("in CPU memory") : "on " + std::string(device)) +
+           " like " + std::string(first));
 }
 
 TensorView core_view(const void* data, Storage storage, std::span<const std::int64_t> dims,
@@ -104,8 +104,8 @@ std::array<TensorSpec, 3> output_specs(const InverseOutputSpecs& specs) {
 }
 
 Shape stored_like(const TensorSpec& spec, std::span<const std::int64_t> input_dims) {
-  Shape dims(input_dims);
-  if (dims.ndim > 0) dims.dims[0] = spec.shape.ndim > 0 ? spec.shape[0] : 0;
+  Shape dims = spec.shape;
+  if (dims.ndim >= 2 && input_dims.size() >= 2) dims.dims[dims.ndim - 1] = input_dims.back();
   return dims;
 }
 

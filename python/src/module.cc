@@ -1,6 +1,6 @@
-// The nanobind module moe_reroute._core: the dtype table, the core's shape
-// rules (infer_reroute / infer_inverse, which NumPy allocation and the torch
-// fake kernels both use) and the CPU run on NumPy arrays. Errors become
+// The nanobind module moe_reroute._core: the dtype table, the operators'
+// descriptions, the core's shape rules (infer_*, which NumPy allocation and
+// the torch fake kernels both use) and the CPU run on NumPy arrays. Errors become
 // TypeError / ValueError / RuntimeError by their kind, naming the argument.
 
 #include <nanobind/nanobind.h>
@@ -169,6 +169,7 @@ struct OutputSpec {
   std::vector<std::int64_t> shape;
   std::optional<int> stored_like;  // the input's index
   RowsFormula rows;
+  std::vector<DimFormula> dims;  // the routing operators': each dim in the inputs' dims
 };
 
 template <std::size_t N>
@@ -220,11 +221,12 @@ struct OutputArrays {
   // Fresh arrays by the core's specs, each stored as `op` says: like its
   // input (that input's dtype, its trailing dims) where given, else in the
   // spec's dtype.
-  template <std::size_t N>
-  OutputArrays(const std::array<TensorSpec, N>& specs, const OperatorDesc& op, const Inputs& call) {
+  template <std::size_t N, typename A>
+  OutputArrays(const std::array<TensorSpec, N>& specs, const OperatorDescOf<A>& op,
+               const std::vector<std::optional<Arg>>& inputs) {
     for (std::size_t i = 0; i < N; ++i) {
       const int like = op.outputs[i].stored_like;
-      const std::optional<Arg>* input = like == kOwnSpec ? nullptr : &call.args[like];
+      const std::optional<Arg>* input = like == kOwnSpec ? nullptr : &inputs[like];
       fresh(specs[i], input && *input ? &**input : nullptr, op.outputs[i].name);
     }
   }
@@ -275,7 +277,7 @@ OutputArrays forward_outputs(const std::optional<nb::sequence>& outputs, const I
                              const RerouteInputs& views, const Attributes& attributes) {
   if (outputs) return OutputArrays(*outputs, reroute_desc());
   return OutputArrays(adapter::output_specs(infer_reroute(views, attributes)), reroute_desc(),
-                      call);
+                      call.args);
 }
 
 // The forward's output views, read as the torch kernel reads out= tensors.
@@ -345,7 +347,7 @@ nb::tuple run_backward(const nb::sequence& inputs, const Attributes& attributes,
   const Inputs call(inputs, inverse_desc(), tokens_dtype);
   const InverseInputs views = call.views<InverseInputs>();
   const OutputArrays out(adapter::output_specs(infer_inverse(views, attributes)),
-                         inverse_desc(), call);
+                         inverse_desc(), call.args);
   const std::vector<Arg>& args = out.args;
   InverseOutputs out_views{view(args[0], call.device(), tokens_dtype, "restored_tokens")};
   if (call.args[2]) {
@@ -358,6 +360,93 @@ nb::tuple run_backward(const nb::sequence& inputs, const Attributes& attributes,
     moe_re_routing_inverse(views, out_views, attributes, num_threads);
   }
   return nb::tuple(out.arrays);
+}
+
+// One call of a routing operator `R` (adapter.h): its inputs in the
+// description's order, each an Argument, a NumPy array or None where
+// optional, on the first input's device where described.
+template <typename R>
+struct RoutingCall {
+  std::vector<std::optional<Arg>> args;
+  std::vector<std::optional<TensorView>> views;
+
+  explicit RoutingCall(const nb::sequence& inputs) {
+    const auto& op = R::desc();
+    if (nb::len(inputs) != op.inputs.size()) {
+      fail(ErrorCode::kInvalidArgument, "inputs: expected the " +
+                                            std::to_string(op.inputs.size()) + " inputs of " +
+                                            std::string(op.name));
+    }
+    for (const InputDesc& input : op.inputs) {
+      args.push_back(arg_of(inputs[args.size()], input.name, /*writable=*/false));
+      if (!input.optional && !args.back()) adapter::fail_none(input.name);
+    }
+    const std::optional<std::string>& device = args[0]->device;
+    for (const std::optional<Arg>& arg : args) {
+      if (arg && device && arg->device && *arg->device != *device) {
+        adapter::fail_device(arg->name, *device, op.inputs[0].name);
+      }
+      views.push_back(arg ? std::optional(view(*arg, std::nullopt, std::nullopt, ""))
+                          : std::nullopt);
+    }
+  }
+
+  typename R::Inputs inputs() const { return R::inputs(views); }
+};
+
+// The OutputSpecs of a routing call: dtype, shape, the input stored like, and
+// each dim as a formula in the inputs' dims (output_dims).
+template <typename R>
+std::vector<OutputSpec> infer_routing(const nb::sequence& inputs,
+                                      const typename R::Attributes& attributes) {
+  const RoutingCall<R> call(inputs);
+  const auto specs = R::specs(call.inputs(), attributes);
+  std::array<bool, R::kNumInputs> given{};
+  for (std::size_t i = 0; i < given.size(); ++i) given[i] = call.args[i].has_value();
+  std::vector<OutputSpec> list;
+  for (std::size_t i = 0; i < specs.size(); ++i) {
+    const Shape& shape = specs[i].shape;
+    OutputSpec& spec = list.emplace_back();
+    spec.dtype = dtype_name(specs[i].dtype);
+    spec.shape.assign(shape.dims.begin(), shape.dims.begin() + shape.ndim);
+    const int like = R::desc().outputs[i].stored_like;
+    if (like != kOwnSpec) spec.stored_like = like;
+    spec.dims = output_dims(R::desc(), i, attributes, given);
+  }
+  return list;
+}
+
+// Runs a routing call on the CPU into fresh NumPy arrays by the core's specs;
+// returns them (the one output itself where there is one).
+template <typename R>
+nb::object run_routing(const nb::sequence& inputs, const typename R::Attributes& attributes,
+                       int num_threads) {
+  const RoutingCall<R> call(inputs);
+  const typename R::Inputs views = call.inputs();
+  const OutputArrays out(R::specs(views, attributes), R::desc(), call.args);
+  std::vector<TensorView> out_views;
+  for (const Arg& arg : out.args) out_views.push_back(view(arg, std::nullopt, std::nullopt, ""));
+  {
+    nb::gil_scoped_release release;
+    R::run(views, R::outputs(out_views), attributes, num_threads);
+  }
+  if constexpr (R::kNumOutputs == 1) return out.arrays[0];
+  return nb::tuple(out.arrays);
+}
+
+// A DimFormula as Python evaluates it: ((coefficient, ((input, dim), ...)), ...), at_most.
+nb::tuple formula_tuple(const DimFormula& formula) {
+  nb::list terms;
+  for (int t = 0; t < formula.num_terms; ++t) {
+    const DimTerm& term = formula.terms[static_cast<std::size_t>(t)];
+    nb::list factors;
+    for (int f = 0; f < term.num_factors; ++f) {
+      const InputDim& factor = term.factors[static_cast<std::size_t>(f)];
+      factors.append(nb::make_tuple(factor.input, factor.dim));
+    }
+    terms.append(nb::make_tuple(term.coefficient, nb::tuple(factors)));
+  }
+  return nb::make_tuple(nb::tuple(terms), formula.at_most);
 }
 
 // A strided array as its memory is laid out (the bound class Strided): its
@@ -385,60 +474,69 @@ void check_strided(const std::vector<const Strided*>& inputs,
   check_disjoint(all.first(inputs.size()), all.subspan(inputs.size()));
 }
 
-// Attributes as a class with one property per attribute the descriptions name.
-void bind_attributes(nb::module_& m) {
-  auto cls = nb::class_<Attributes>(m, "Attributes",
-                                    "The operators' attributes (docs/spec.md section 2), "
-                                    "their defaults until set.")
+// The attribute struct `A` as the class `name`, with one property per
+// attribute `op` describes.
+template <typename A>
+void bind_attributes(nb::module_& m, const char* name, const OperatorDescOf<A>& op,
+                     const char* doc) {
+  auto cls = nb::class_<A>(m, name, doc)
                  .def(nb::init<>())
-                 .def("__eq__", [](const Attributes& a, const Attributes& b) { return a == b; });
-  for (const AttributeDesc& attribute : reroute_desc().attributes) {
-    const AttributeDesc* desc = &attribute;  // static: outlives the module
+                 .def("__eq__", [](const A& a, const A& b) { return a == b; });
+  for (const AttributeDescOf<A>& attribute : op.attributes) {
+    const AttributeDescOf<A>* desc = &attribute;  // static: outlives the module
     if (desc->kind == AttributeKind::kInt) {
       cls.def_prop_rw(
-          desc->name.data(), [desc](const Attributes& a) { return desc->get(a); },
-          [desc](Attributes& a, std::int64_t value) { desc->set(a, value); });
+          desc->name.data(), [desc](const A& a) { return desc->get(a); },
+          [desc](A& a, std::int64_t value) { desc->set(a, value); });
     } else if (desc->kind == AttributeKind::kBool) {
       cls.def_prop_rw(
-          desc->name.data(), [desc](const Attributes& a) { return desc->get(a) != 0; },
-          [desc](Attributes& a, bool value) { desc->set(a, value); });
+          desc->name.data(), [desc](const A& a) { return desc->get(a) != 0; },
+          [desc](A& a, bool value) { desc->set(a, value); });
     }
   }
 }
 
-// Each operator's description: {name: {"inputs": [(name, optional)], "outputs":
-// [(name, the index of the input it is stored like or None, optional)],
-// "attributes": [(name, "int" | "bool" | "dtype_name", default)]}}.
+// The description of `op` into `all`: {name: {"inputs": [(name, optional)],
+// "outputs": [(name, the index of the input it is stored like or None,
+// optional)], "attributes": [(name, "int" | "bool" | "dtype_name", default)],
+// "attributes_class": the bound class of its attribute struct}}.
+template <typename A>
+void describe(nb::dict& all, const OperatorDescOf<A>& op) {
+  nb::list inputs, outputs, attributes;
+  for (const InputDesc& input : op.inputs) {
+    inputs.append(nb::make_tuple(nb::str(input.name.data()), input.optional));
+  }
+  for (const OutputDesc& output : op.outputs) {
+    nb::object like = nb::none();
+    if (output.stored_like != kOwnSpec) like = nb::int_(output.stored_like);
+    outputs.append(nb::make_tuple(nb::str(output.name.data()), like, output.optional));
+  }
+  for (const AttributeDescOf<A>& attribute : op.attributes) {
+    const char* kind = "dtype_name";
+    nb::object value = nb::none();
+    if (attribute.kind == AttributeKind::kInt) {
+      kind = "int";
+      value = nb::int_(attribute.default_value);
+    } else if (attribute.kind == AttributeKind::kBool) {
+      kind = "bool";
+      value = nb::bool_(attribute.default_value != 0);
+    }
+    attributes.append(nb::make_tuple(nb::str(attribute.name.data()), kind, value));
+  }
+  nb::dict desc;
+  desc["inputs"] = nb::tuple(inputs);
+  desc["outputs"] = nb::tuple(outputs);
+  desc["attributes"] = nb::tuple(attributes);
+  desc["attributes_class"] = nb::type<A>();
+  all[nb::str(op.name.data())] = desc;
+}
+
 nb::dict operators() {
   nb::dict all;
-  for (const OperatorDesc* op : {&reroute_desc(), &inverse_desc()}) {
-    nb::list inputs, outputs, attributes;
-    for (const InputDesc& input : op->inputs) {
-      inputs.append(nb::make_tuple(nb::str(input.name.data()), input.optional));
-    }
-    for (const OutputDesc& output : op->outputs) {
-      nb::object like = nb::none();
-      if (output.stored_like != kOwnSpec) like = nb::int_(output.stored_like);
-      outputs.append(nb::make_tuple(nb::str(output.name.data()), like, output.optional));
-    }
-    for (const AttributeDesc& attribute : op->attributes) {
-      const char* kind = "dtype_name";
-      nb::object value = nb::none();
-      if (attribute.kind == AttributeKind::kInt) {
-        kind = "int";
-        value = nb::int_(attribute.default_value);
-      } else if (attribute.kind == AttributeKind::kBool) {
-        kind = "bool";
-        value = nb::bool_(attribute.default_value != 0);
-      }
-      attributes.append(nb::make_tuple(nb::str(attribute.name.data()), kind, value));
-    }
-    nb::dict desc;
-    desc["inputs"] = nb::tuple(inputs);
-    desc["outputs"] = nb::tuple(outputs);
-    desc["attributes"] = nb::tuple(attributes);
-    all[nb::str(op->name.data())] = desc;
-  }
+  describe(all, reroute_desc());
+  describe(all, inverse_desc());
+  describe(all, init_routing_desc());
+  describe(all, finalize_routing_desc());
   return all;
 }
 
@@ -478,7 +576,13 @@ NB_MODULE(_core, m) {
     }
   });
 
-  bind_attributes(m);
+  bind_attributes(m, "Attributes", reroute_desc(),
+                  "The attributes of moe_re_routing and moe_re_routing_inverse (docs/spec.md "
+                  "section 2), their defaults until set.");
+  bind_attributes(m, "InitRoutingAttributes", init_routing_desc(),
+                  "The attributes of moe_init_routing, their defaults until set.");
+  bind_attributes(m, "FinalizeRoutingAttributes", finalize_routing_desc(),
+                  "The attributes of moe_finalize_routing, their defaults until set.");
   m.attr("OPERATORS") = operators();
 
   nb::class_<Argument>(m, "Argument",
@@ -497,12 +601,20 @@ NB_MODULE(_core, m) {
   nb::class_<OutputSpec>(m, "OutputSpec",
                          "An output's spec as a framework allocates it: dtype, shape, the "
                          "index of the input it is stored like (or None), and its rows as "
-                         "rows_per_input_row * (tokens' rows) + rows_per_expert * E.")
+                         "rows_per_input_row * (tokens' rows) + rows_per_expert * E; for the "
+                         "routing operators, dims: each dim as ((coefficient, ((input, dim), "
+                         "...)), ...), at_most: the sum of the terms, each its coefficient "
+                         "times the product of those input dims, at most at_most where >= 0.")
       .def_ro("dtype", &OutputSpec::dtype)
       .def_ro("shape", &OutputSpec::shape)
       .def_ro("stored_like", &OutputSpec::stored_like)
       .def_prop_ro("rows_per_input_row", [](const OutputSpec& o) { return o.rows.per_input_row; })
-      .def_prop_ro("rows_per_expert", [](const OutputSpec& o) { return o.rows.per_expert; });
+      .def_prop_ro("rows_per_expert", [](const OutputSpec& o) { return o.rows.per_expert; })
+      .def_prop_ro("dims", [](const OutputSpec& o) {
+        nb::list dims;
+        for (const DimFormula& formula : o.dims) dims.append(formula_tuple(formula));
+        return dims;
+      });
   nb::class_<Strided>(m, "Strided",
                       "An array's memory: its address, dims, strides in elements and "
                       "element bytes.")
@@ -532,6 +644,23 @@ NB_MODULE(_core, m) {
         nb::arg("tokens_dtype").none(), nb::arg("num_threads") = 0,
         "Runs the inverse on the CPU into three fresh NumPy arrays and returns them (an absent "
         "output: float32 (0,)).");
+  m.def("infer_init_routing", &infer_routing<adapter::InitRouting>, nb::arg("inputs"),
+        nb::arg("attributes"),
+        "The four OutputSpecs of moe_init_routing for the Arguments (x, expert_idx); the "
+        "core's infer_init_routing and output_dims.");
+  m.def("infer_finalize_routing", &infer_routing<adapter::FinalizeRouting>, nb::arg("inputs"),
+        nb::arg("attributes"),
+        "The OutputSpec of moe_finalize_routing for the Arguments (expanded_x, "
+        "expanded_row_idx, x1, x2, bias, scales, expert_idx), None where absent.");
+  m.def("init_routing", &run_routing<adapter::InitRouting>, nb::arg("inputs"),
+        nb::arg("attributes"), nb::arg("num_threads") = 0,
+        "Runs moe_init_routing on the CPU on the arrays (x, expert_idx) into four fresh NumPy "
+        "arrays and returns them; writes nothing when it raises.");
+  m.def("finalize_routing", &run_routing<adapter::FinalizeRouting>, nb::arg("inputs"),
+        nb::arg("attributes"), nb::arg("num_threads") = 0,
+        "Runs moe_finalize_routing on the CPU on the arrays (expanded_x, expanded_row_idx, "
+        "x1, x2, bias, scales, expert_idx), None where absent, into a fresh NumPy array "
+        "and returns it.");
   m.def("check_disjoint", &check_strided, nb::arg("inputs"), nb::arg("outputs"),
         "Refuses an output overlapping an input or an earlier output (docs/spec.md rule 10), "
         "each a Strided.");

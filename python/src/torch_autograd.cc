@@ -1,10 +1,16 @@
-// Autograd: backward nodes, forward-mode AD, and out='s Autograd and ADInplaceOrView kernels.
+// Autograd: backward nodes, forward-mode AD, and out='s Autograd and ADInplaceOrView kernels;
+// the routing operators' backward nodes.
 
 #include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -14,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "adapter.h"
 #include "torch_ops.h"
 
 namespace moe_reroute::torch_ops {
@@ -229,6 +236,169 @@ auto with_tangents(const Tensor& tokens, const OptionalTensor& scales,
   return outputs;
 }
 
+// moe_init_routing's backward: x's gradient sums the gradients of its
+// expanded rows, which is moe_finalize_routing of them with unit scales in
+// the layout init writes (row-major; [T * k, H], or [E, C, H] by capacity):
+// rows past active_num and dropped entries give none.
+class InitRoutingBackward final : public Node {
+ public:
+  using Routing = adapter::InitRouting;
+  InitRoutingBackward(const std::vector<Tensor>& inputs, const InitRoutingAttributes& attributes)
+      : num_tokens_(inputs[0].sym_size(0)),
+        top_k_(inputs[1].sym_size(1)),
+        mode_(attributes.drop_pad_mode == kDropPad ? kFinalizeRowMajorCapacity
+                                                   : kFinalizeRowMajor) {}
+  std::string name() const override { return "MoeInitRoutingBackward"; }
+
+  void save_outputs(c10::ArrayRef<c10::IValue> outputs) {
+    row_idx_ = torch::autograd::SavedVariable(outputs[1].toTensor(), /*is_output=*/false);
+  }
+  void release_variables() override { row_idx_.reset_data(); }
+
+  variable_list apply(variable_list&& grads) override {
+    variable_list gradients(Routing::kNumInputs);
+    if (!task_should_compute_output(0)) return gradients;
+    const Tensor gradient =
+        grads[0].defined() ? grads[0].contiguous() : input_metadata(0).zeros_like();
+    const Tensor unit = at::ones_symint({num_tokens_, top_k_}, gradient.options());
+    gradients[0] = finalize_routing_op().call(gradient, row_idx_.unpack(), std::nullopt,
+                                              std::nullopt, std::nullopt, unit, std::nullopt,
+                                              mode_);
+    return gradients;
+  }
+
+ private:
+  torch::autograd::SavedVariable row_idx_;
+  c10::SymInt num_tokens_;
+  c10::SymInt top_k_;
+  std::int64_t mode_;
+};
+
+// moe_finalize_routing's backward, from each slot (t, j) read (its row r,
+// scale s): expanded_x[r] and bias[expert_idx[t, j]] get grad_out[t] * s,
+// scales[t, j] gets the sum over h of grad_out[t, h] * (expanded_x[r] +
+// bias)[h], x1 and x2 get grad_out; slots skipped get nothing. In float32,
+// as the forward sums.
+class FinalizeRoutingBackward final : public Node {
+ public:
+  using Routing = adapter::FinalizeRouting;
+  enum Input : std::size_t { kExpandedX, kRowIdx, kX1, kX2, kBias, kScales, kExpertIdx };
+
+  FinalizeRoutingBackward(const std::vector<Tensor>& inputs,
+                          const FinalizeRoutingAttributes& attributes)
+      : mode_(attributes.drop_pad_mode) {
+    for (const Input input : {kExpandedX, kRowIdx, kBias, kScales, kExpertIdx}) {
+      saved_[input] = torch::autograd::SavedVariable(inputs[input], /*is_output=*/false);
+    }
+  }
+  std::string name() const override { return "MoeFinalizeRoutingBackward"; }
+
+  void save_outputs(c10::ArrayRef<c10::IValue>) {}
+  void release_variables() override {
+    for (torch::autograd::SavedVariable& saved : saved_) saved.reset_data();
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    variable_list gradients(Routing::kNumInputs);
+    const Tensor gradient = grads[0].defined() ? grads[0] : input_metadata(0).zeros_like();
+    for (const Input input : {kX1, kX2}) {
+      if (task_should_compute_output(input)) gradients[input] = gradient;
+    }
+    const bool expanded_wanted = task_should_compute_output(kExpandedX);
+    const bool bias_wanted = task_should_compute_output(kBias);
+    const bool scales_wanted = task_should_compute_output(kScales);
+    if (!expanded_wanted && !bias_wanted && !scales_wanted) return gradients;
+
+    const Tensor expanded = saved_[kExpandedX].unpack();
+    const Tensor bias = saved_[kBias].unpack();
+    const Tensor scales = saved_[kScales].unpack();
+    const Tensor expanded_rows = expanded.flatten(0, -2);
+    const c10::SymInt rows = expanded_rows.sym_size(0);
+    const c10::SymInt hidden = expanded_rows.sym_size(1);
+    const c10::SymInt num_tokens = gradient.sym_size(0);
+    const c10::SymInt top_k = scales.defined() ? scales.sym_size(1) : c10::SymInt(1);
+    const auto float32 = gradient.options().dtype(at::kFloat);
+
+    // The row of each slot, [T, k], and whether the forward read it.
+    const Tensor row_idx = saved_[kRowIdx].unpack().to(at::kLong);
+    const bool row_major = mode_ == kFinalizeRowMajor || mode_ == kFinalizeRowMajorCapacity;
+    const Tensor index = row_major ? row_idx.view_symint({num_tokens, top_k})
+                                   : row_idx.view_symint({top_k, num_tokens}).t();
+    const bool capacity = mode_ == kFinalizeColumnMajorCapacity || mode_ == kFinalizeRowMajorCapacity;
+    const Tensor skipped = capacity ? index.lt(0) : index.ge(c10::Scalar(rows));
+    // Row r of expanded_x as row r + 1 of a copy whose row 0, where skipped slots go, is zero.
+    const Tensor shifted = index.add(1).masked_fill(skipped, 0).flatten();
+    const Tensor scale = scales.defined() ? scales.to(at::kFloat)
+                                          : at::ones_symint({num_tokens, top_k}, float32);
+    const Tensor incoming = gradient.to(at::kFloat);
+    // grad_out[t] * s of each slot, [T * k, H], zero where skipped.
+    const Tensor weighted =
+        incoming.unsqueeze(1).mul(scale.masked_fill(skipped, 0).unsqueeze(2)).flatten(0, 1);
+    if (expanded_wanted) {
+      gradients[kExpandedX] = at::zeros_symint({rows + 1, hidden}, float32)
+                                  .index_add_(0, shifted, weighted)
+                                  .narrow_symint(0, 1, rows)
+                                  .to(expanded.scalar_type())
+                                  .view_symint(expanded.sym_sizes());
+    }
+    const Tensor experts =
+        bias.defined() ? saved_[kExpertIdx].unpack().to(at::kLong).flatten() : Tensor();
+    if (bias_wanted) {
+      gradients[kBias] = at::zeros_like(bias, float32).index_add_(0, experts, weighted)
+                             .to(bias.scalar_type());
+    }
+    if (scales_wanted) {
+      Tensor read = at::cat({at::zeros_symint({1, hidden}, float32), expanded_rows.to(at::kFloat)})
+                        .index_select(0, shifted);
+      if (bias.defined()) read = read.add(bias.to(at::kFloat).index_select(0, experts));
+      gradients[kScales] = incoming.unsqueeze(1)
+                               .mul(read.view_symint({num_tokens, top_k, hidden}))
+                               .sum(2)
+                               .masked_fill(skipped, 0)
+                               .to(scales.scalar_type());
+    }
+    return gradients;
+  }
+
+ private:
+  std::array<torch::autograd::SavedVariable, Routing::kNumInputs> saved_;
+  std::int64_t mode_;
+};
+
+// The routing operators' autograd kernel, boxed: where grad mode is on and
+// an input requires grad, a `Backward` node (edges to every input, in the
+// description's order) becomes the grad_fn of the outputs with gradients
+// (the index and count outputs have none). Forward-mode tangents are refused
+// by name: these operators have no forward derivative.
+template <typename Backward>
+void routing_autograd(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const auto& desc = Backward::Routing::desc();
+  const auto values = torch::jit::last(*stack, desc.inputs.size() + desc.attributes.size());
+  std::vector<Tensor> inputs;  // undefined where absent
+  bool wanted = false;
+  for (std::size_t i = 0; i < desc.inputs.size(); ++i) {
+    inputs.push_back(values[i].isTensor() ? values[i].toTensor() : Tensor());
+    const Tensor& input = inputs.back();
+    TORCH_CHECK_NOT_IMPLEMENTED(!input.defined() || !has_tangent(input), desc.inputs[i].name,
+                                ": has a forward-mode tangent, but ", desc.name,
+                                " has no forward-mode derivative");
+    wanted = wanted || (input.defined() && input.requires_grad());
+  }
+  NodePtr node;
+  if (wanted && at::GradMode::is_enabled()) {
+    node = make_node<Backward>(inputs, routing_attributes(desc, values));
+    node->set_next_edges(torch::autograd::collect_next_edges(inputs));
+  }
+  {
+    const at::AutoDispatchBelowADInplaceOrView guard;
+    op.callBoxed(stack);
+  }
+  if (!node) return;
+  const auto outputs = torch::jit::last(*stack, op.schema().returns().size());
+  for (const c10::IValue& output : outputs) set_history(node, output.toTensor());
+  static_cast<Backward&>(*node).save_outputs(outputs);
+}
+
 // The autograd kernels: with no gradient to track they only call the kernel
 // below the autograd layer, so an eager no-grad call costs no more than the kernel.
 Forward reroute_autograd(const Tensor& tokens, const Tensor& counts, const OptionalTensor& scales,
@@ -322,6 +492,12 @@ namespace ops = moe_reroute::torch_ops;
 
 TORCH_LIBRARY_IMPL(moe_reroute, Autograd, m) {
   m.impl("moe_re_routing", &ops::reroute_autograd);
+  m.impl("moe_init_routing",
+         torch::CppFunction::makeFromBoxedFunction<
+             &ops::routing_autograd<ops::InitRoutingBackward>>());
+  m.impl("moe_finalize_routing",
+         torch::CppFunction::makeFromBoxedFunction<
+             &ops::routing_autograd<ops::FinalizeRoutingBackward>>());
   m.impl("moe_re_routing_inverse", &ops::inverse_autograd);
   m.impl("moe_re_routing_out",
          torch::CppFunction::makeFromBoxedFunction<&ops::reroute_out_autograd>());

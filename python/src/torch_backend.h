@@ -21,6 +21,14 @@ struct Backend {
   /// Reports what the device found since the last check (the counts it
   /// validates itself), clearing it; null where the backend checks on the host.
   void (*check)() = nullptr;
+  /// moe_init_routing and moe_finalize_routing on `device`; null where the
+  /// backend has them not (yet), which the kernels refuse naming the input.
+  void (*init_routing)(const c10::Device& device, const InitRoutingInputs& inputs,
+                       const InitRoutingOutputs& outputs,
+                       const InitRoutingAttributes& attributes) = nullptr;
+  void (*finalize_routing)(const c10::Device& device, const FinalizeRoutingInputs& inputs,
+                           const FinalizeRoutingOutputs& outputs,
+                           const FinalizeRoutingAttributes& attributes) = nullptr;
 };
 
 /// Registers `backend` for the devices of `type`; returns true, for a static

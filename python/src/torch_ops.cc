@@ -45,7 +45,14 @@ using adapter::fail;
     {[](const Call&, const RerouteInputs& inputs, const RerouteOutputs& outputs,
         const Attributes& attributes) { moe_re_routing(inputs, outputs, attributes); },
      [](const Call&, const InverseInputs& inputs, const InverseOutputs& outputs,
-        const Attributes& attributes) { moe_re_routing_inverse(inputs, outputs, attributes); }});
+        const Attributes& attributes) { moe_re_routing_inverse(inputs, outputs, attributes); },
+     nullptr,
+     [](const c10::Device&, const InitRoutingInputs& inputs, const InitRoutingOutputs& outputs,
+        const InitRoutingAttributes& attributes) { moe_init_routing(inputs, outputs, attributes); },
+     [](const c10::Device&, const FinalizeRoutingInputs& inputs,
+        const FinalizeRoutingOutputs& outputs, const FinalizeRoutingAttributes& attributes) {
+       moe_finalize_routing(inputs, outputs, attributes);
+     }});
 
 // Runs the call on its device's backend (call_device has found it).
 template <typename Inputs, typename Outputs>
@@ -129,6 +136,77 @@ Inverse inverse(const Tensor& tokens, const Tensor& counts, const OptionalTensor
   });
 }
 
+// The backend's run of the routing operator `R`; null where it has none.
+template <typename R>
+auto routing_run(const Backend& backend) {
+  if constexpr (std::is_same_v<R, adapter::InitRouting>) {
+    return backend.init_routing;
+  } else {
+    return backend.finalize_routing;
+  }
+}
+
+// The kernel of the routing operator `R` (adapter.h) for every device, boxed:
+// it reads the inputs and attributes by the description (the schema lists the
+// inputs in its order, the required ones first in both), copies inputs that
+// are not contiguous, allocates the outputs as the description stores them
+// and hands the call to the backend of the first input's device, refusing a
+// device whose backend has no such run.
+template <typename R>
+void routing(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  translated([&] {
+    const auto& op = R::desc();
+    const std::size_t num_values = op.inputs.size() + op.attributes.size();
+    const auto values = torch::jit::last(*stack, num_values);
+    std::vector<Tensor> inputs;  // undefined where absent
+    for (std::size_t i = 0; i < op.inputs.size(); ++i) {
+      const bool given = values[i].isTensor() && values[i].toTensor().defined();
+      if (!given && !op.inputs[i].optional) adapter::fail_none(op.inputs[i].name);
+      inputs.push_back(given ? values[i].toTensor().contiguous() : Tensor());
+    }
+    const std::string_view first = op.inputs[0].name;
+    const c10::Device device = inputs[0].device();
+    const Backend* backend = backend_of(device.type());
+    const auto run = backend ? routing_run<R>(*backend) : nullptr;
+    if (!run) {
+      fail(ErrorCode::kInvalidArgument, std::string(first) + ": must be in CPU memory (" +
+                                            std::string(op.name) + " has no " +
+                                            c10::DeviceTypeName(device.type()) + " backend)");
+    }
+    std::vector<std::optional<TensorView>> views;
+    for (std::size_t i = 0; i < inputs.size(); ++i) {
+      if (!inputs[i].defined()) {
+        views.emplace_back();
+        continue;
+      }
+      const char* name = op.inputs[i].name.data();
+      if (inputs[i].device() != device) adapter::fail_device(name, device.str(), first);
+      views.push_back(view(inputs[i], name, std::nullopt, name, device));
+    }
+    const auto attributes = routing_attributes(op, values);
+    const typename R::Inputs core_inputs = R::inputs(views);
+    const auto specs = R::specs(core_inputs, attributes);
+    std::vector<Tensor> outputs;
+    std::vector<TensorView> output_views;
+    for (std::size_t i = 0; i < specs.size(); ++i) {
+      const int like = op.outputs[i].stored_like;
+      const bool stored_like = like != kOwnSpec && inputs[like].defined();
+      outputs.push_back(allocate(specs[i], stored_like ? &inputs[like] : nullptr, device));
+      const char* name = op.outputs[i].name.data();
+      output_views.push_back(view(outputs.back(), name, std::nullopt, name, device));
+    }
+    run(device, core_inputs, R::outputs(output_views), attributes);
+    torch::jit::drop(*stack, num_values);
+    for (Tensor& output : outputs) torch::jit::push(*stack, std::move(output));
+  });
+}
+
+// The boxed kernel of the routing operator `R`, to register.
+template <typename R>
+torch::CppFunction routing_kernel() {
+  return torch::CppFunction::makeFromBoxedFunction<&routing<R>>();
+}
+
 /// Reads and clears what every device backend found (a host sync each) and
 /// raises ValueError naming the argument when bad counts were seen since the
 /// last check.
@@ -164,7 +242,8 @@ std::int64_t cpu_output_cache_bytes() { return output_cache_bytes(); }
 // The schema of `op` from its description: the required inputs, then
 // `outputs` (the out= variant's, which it returns none of), the optional
 // inputs and the attributes with their defaults. Named `name`.
-std::string schema(const OperatorDesc& op, const std::string& name, bool out) {
+template <typename A>
+std::string schema(const OperatorDescOf<A>& op, const std::string& name, bool out) {
   std::string arguments;
   const auto add = [&arguments](const std::string& argument) {
     arguments += (arguments.empty() ? "" : ", ") + argument;
@@ -179,7 +258,7 @@ std::string schema(const OperatorDesc& op, const std::string& name, bool out) {
   for (const InputDesc& input : op.inputs) {
     if (input.optional) add("Tensor? " + std::string(input.name) + "=None");
   }
-  for (const AttributeDesc& attribute : op.attributes) {
+  for (const AttributeDescOf<A>& attribute : op.attributes) {
     const std::string attribute_name(attribute.name);
     switch (attribute.kind) {
       case AttributeKind::kInt:
@@ -195,7 +274,8 @@ std::string schema(const OperatorDesc& op, const std::string& name, bool out) {
   }
   std::string returns;
   for (std::size_t i = 0; i < op.outputs.size() && !out; ++i) returns += i ? ", Tensor" : "Tensor";
-  return name + "(" + arguments + ") -> (" + returns + ")";
+  if (out || op.outputs.size() != 1) returns = "(" + returns + ")";
+  return name + "(" + arguments + ") -> " + returns;
 }
 
 }  // namespace
@@ -223,6 +303,13 @@ c10::TypedOperatorHandle<InverseKernel> inverse_op() {
   return op;
 }
 
+c10::TypedOperatorHandle<FinalizeRoutingKernel> finalize_routing_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("moe_reroute::moe_finalize_routing", "")
+                             .typed<FinalizeRoutingKernel>();
+  return op;
+}
+
 }  // namespace moe_reroute::torch_ops
 
 namespace ops = moe_reroute::torch_ops;
@@ -236,20 +323,31 @@ TORCH_LIBRARY(moe_reroute, m) {
   m.def(ops::schema(forward, forward_name, false).c_str(), tags);
   m.def(ops::schema(forward, forward_name + "_out", true).c_str(), tags);
   m.def(ops::schema(inverse, std::string(inverse.name), false).c_str(), tags);
+  const moe_reroute::InitRoutingDesc& init = moe_reroute::init_routing_desc();
+  const moe_reroute::FinalizeRoutingDesc& finalize = moe_reroute::finalize_routing_desc();
+  m.def(ops::schema(init, std::string(init.name), false).c_str(), tags);
+  m.def(ops::schema(finalize, std::string(finalize.name), false).c_str(), tags);
   m.def("cuda_check() -> ()", &ops::cuda_check);
   m.def("set_cuda_status_check(str mode) -> str", &ops::set_cuda_status_check);
   m.def("set_cpu_output_cache_limit(int limit_bytes) -> int", &ops::set_cpu_output_cache_limit);
   m.def("cpu_output_cache_bytes() -> int", &ops::cpu_output_cache_bytes);
 }
 
+// The routing operators' kernel, for both keys: it refuses a device without
+// a backend run naming the input (CUDA, for now), where an unregistered key
+// would only name the key.
 TORCH_LIBRARY_IMPL(moe_reroute, CPU, m) {
   m.impl("moe_re_routing", &ops::reroute);
   m.impl("moe_re_routing_out", &ops::reroute_out);
   m.impl("moe_re_routing_inverse", &ops::inverse);
+  m.impl("moe_init_routing", ops::routing_kernel<moe_reroute::adapter::InitRouting>());
+  m.impl("moe_finalize_routing", ops::routing_kernel<moe_reroute::adapter::FinalizeRouting>());
 }
 
 TORCH_LIBRARY_IMPL(moe_reroute, CUDA, m) {
   m.impl("moe_re_routing", &ops::reroute);
   m.impl("moe_re_routing_out", &ops::reroute_out);
   m.impl("moe_re_routing_inverse", &ops::inverse);
+  m.impl("moe_init_routing", ops::routing_kernel<moe_reroute::adapter::InitRouting>());
+  m.impl("moe_finalize_routing", ops::routing_kernel<moe_reroute::adapter::FinalizeRouting>());
 }

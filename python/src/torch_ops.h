@@ -38,11 +38,18 @@ using InverseKernel = Inverse(const Tensor& tokens, const Tensor& counts,
                               OptionalName tokens_dtype, std::int64_t expert_alignment,
                               bool allow_spare_rows);
 
-/// The operators moe_re_routing, moe_re_routing_out and moe_re_routing_inverse,
-/// for calls through the dispatcher (every dispatch key, as torch.ops calls).
+using FinalizeRoutingKernel = Tensor(const Tensor& expanded_x, const Tensor& expanded_row_idx,
+                                     const OptionalTensor& x1, const OptionalTensor& x2,
+                                     const OptionalTensor& bias, const OptionalTensor& scales,
+                                     const OptionalTensor& expert_idx, std::int64_t drop_pad_mode);
+
+/// The operators moe_re_routing, moe_re_routing_out, moe_re_routing_inverse
+/// and moe_finalize_routing, for calls through the dispatcher (every dispatch
+/// key, as torch.ops calls).
 c10::TypedOperatorHandle<RerouteKernel> forward_op();
 c10::TypedOperatorHandle<RerouteOutKernel> out_op();
 c10::TypedOperatorHandle<InverseKernel> inverse_op();
+c10::TypedOperatorHandle<FinalizeRoutingKernel> finalize_routing_op();
 
 /// Throws `error` as Python's exception by its kind: TypeError, ValueError,
 /// RuntimeError.
@@ -75,6 +82,21 @@ inline auto inverse_arguments(const Attributes& a, OptionalName tokens_dtype) {
 }
 /// Whether the forward pads each expert's segment (docs/spec.md section 9).
 inline bool pads(const Attributes& a) { return a.expert_alignment > 1; }
+
+/// The attributes of the routing operator `op` from a call's schema values
+/// (its inputs, then its attributes, in description order): the one place
+/// the torch glue reads them.
+template <typename A>
+A routing_attributes(const OperatorDescOf<A>& op, c10::ArrayRef<c10::IValue> values) {
+  A attributes;
+  for (std::size_t i = 0; i < op.attributes.size(); ++i) {
+    const AttributeDescOf<A>& attribute = op.attributes[i];
+    const c10::IValue& value = values[op.inputs.size() + i];
+    attribute.set(attributes,
+                  attribute.kind == AttributeKind::kBool ? value.toBool() : value.toInt());
+  }
+  return attributes;
+}
 
 inline std::optional<std::string> name_of(const OptionalName& name) {
   if (!name) return std::nullopt;
