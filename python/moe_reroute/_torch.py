@@ -1,13 +1,14 @@
 """The torch operators, defined and implemented in C++ (_torch_ops.so, imported
 here): ``torch.ops.moe_reroute.moe_re_routing``, ``moe_re_routing_out``,
 ``moe_re_routing_inverse``, ``moe_init_routing`` and ``moe_finalize_routing``,
-with CPU, CUDA and autograd kernels that run no Python. What this module adds is how the public functions call them (FORWARD,
-FORWARD_OUT, INVERSE: in eager mode through the module's C++ entry points,
-which skip torch.ops' Python layer) and the fake kernels (FakeTensorMode,
-torch.compile, torch.export): the core's infer_reroute / infer_inverse run on
-the size hints decide every error and every output spec, and give each
-output's rows as a formula in the tokens' rows and E; and the vmap rules, which
-lay out a batch that shares its counts once (docs/torch.md)."""
+with CPU, CUDA and autograd kernels that run no Python. What this module adds
+is how the public functions call them (FORWARD, FORWARD_OUT, INVERSE: in eager
+mode through the module's C++ entry points, which skip torch.ops' Python
+layer) and the fake kernels (FakeTensorMode, torch.compile, torch.export): the
+core's shape rules (infer_*) run on the size hints decide every error and
+every output spec, and give each output's rows (the routing operators': each
+dim) as a formula in the inputs' sizes; and the vmap rules, which lay out a
+batch that shares its counts once (docs/torch.md)."""
 
 from __future__ import annotations
 

@@ -324,7 +324,8 @@ class FinalizeRoutingBackward final : public Node {
     const bool row_major = mode_ == kFinalizeRowMajor || mode_ == kFinalizeRowMajorCapacity;
     const Tensor index = row_major ? row_idx.view_symint({num_tokens, top_k})
                                    : row_idx.view_symint({top_k, num_tokens}).t();
-    const bool capacity = mode_ == kFinalizeColumnMajorCapacity || mode_ == kFinalizeRowMajorCapacity;
+    const bool capacity =
+        mode_ == kFinalizeColumnMajorCapacity || mode_ == kFinalizeRowMajorCapacity;
     const Tensor skipped = capacity ? index.lt(0) : index.ge(c10::Scalar(rows));
     // Row r of expanded_x as row r + 1 of a copy whose row 0, where skipped slots go, is zero.
     const Tensor shifted = index.add(1).masked_fill(skipped, 0).flatten();

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import moe_reroute
-from cases import FRAMEWORKS, TOKEN_CASES, array_type, byte_rows, seeded, torch
+from cases import FRAMEWORKS, TOKEN_CASES, array_type, as_numpy, byte_rows, seeded, torch
 
 INIT_KEYS = ("active_num", "expert_capacity", "expert_num", "drop_pad_mode",
              "expert_tokens_count_or_cumsum_flag", "expert_tokens_before_capacity_flag")
@@ -28,10 +28,6 @@ INIT_KEYS = ("active_num", "expert_capacity", "expert_num", "drop_pad_mode",
 def flat_bytes(array) -> np.ndarray:
     """Every byte of an array or tensor, in order, as uint8 [n]."""
     return byte_rows(array.reshape(1, -1)).reshape(-1)
-
-
-def as_numpy(array) -> np.ndarray:
-    return array.numpy() if torch is not None and isinstance(array, torch.Tensor) else array
 
 
 # ---- the naive references ----
@@ -277,6 +273,26 @@ def test_finalize_routing_undoes_init_routing_in_mode_2():
     out = moe_reroute.moe_finalize_routing(expanded, row_idx, scales=np.ones((20, 3), np.float32),
                                            drop_pad_mode=2)
     np.testing.assert_array_equal(out, x + x + x)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_inputs_that_are_not_contiguous_are_read_by_value(framework):
+    rng = seeded("strided", framework)
+    x = normal(rng, (6, 10), np.float32)
+    ids = rng.integers(0, 4, (3, 6)).astype(np.int32)
+    init = moe_reroute.moe_init_routing(to_framework(framework, x)[:, ::2],
+                                        to_framework(framework, ids).T, expert_num=4)
+    expected = init_reference(byte_rows(np.ascontiguousarray(x[:, ::2])),
+                              np.ascontiguousarray(ids.T), expert_num=4)
+    np.testing.assert_array_equal(byte_rows(init[0]), expected[0])
+    expanded = normal(rng, (12, 8), np.float16)
+    scales = normal(rng, (3, 6), np.float16)
+    out = moe_reroute.moe_finalize_routing(
+        to_framework(framework, expanded)[::2], init[1],
+        scales=to_framework(framework, scales).T, drop_pad_mode=2)
+    want = finalize_reference(expanded[::2].copy(), as_numpy(init[1]),
+                              scales=scales.T.copy(), drop_pad_mode=2)
+    np.testing.assert_array_equal(flat_bytes(out), flat_bytes(want))
 
 
 # ---- errors ----
