@@ -219,8 +219,8 @@ struct OutputArrays {
   std::vector<Arg> args;
 
   // Fresh arrays by the core's specs, each stored as `op` says: like its
-  // input (that input's dtype, its trailing dims) where given, else in the
-  // spec's dtype.
+  // input (that input's dtype, adapter::stored_like's dims) where given, else
+  // in the spec's dtype.
   template <std::size_t N, typename A>
   OutputArrays(const std::array<TensorSpec, N>& specs, const OperatorDescOf<A>& op,
                const std::vector<std::optional<Arg>>& inputs) {
