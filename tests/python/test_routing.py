@@ -361,7 +361,7 @@ FINALIZE_BAD = [
     ("row below -1", dict(expanded_row_idx=np.array([0, 1, 2, -2, 4, 5, 6, 7], np.int32)),
      ValueError, r"^expanded_row_idx: \[3\] = -2 is below -1"),
     ("-1 in mode 0", dict(expanded_row_idx=np.array([0, 1, 2, -1, 4, 5, 6, 7], np.int32)),
-     ValueError, r"^expanded_row_idx: \[3\] = -1: -1 \(a dropped row\) needs drop_pad_mode"),
+     ValueError, r"^expanded_row_idx: \[3\] = -1 \(a dropped row\) needs drop_pad_mode 1 or 3"),
     ("row past E * C", dict(expanded_x=np.ones((2, 3, H), np.float16), drop_pad_mode=3,
                             bias=np.ones((2, H), np.float16),
                             expert_idx=np.zeros((T, K), np.int32),
