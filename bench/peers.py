@@ -24,7 +24,14 @@ of the same bytes), all in one process, contenders interleaved call by call
   the same three tensors (fresh outputs every call, as in a model);
 - vmap: torch.vmap over 256 entries that share their counts (A = 64 float32,
   H = 16) and torch.func.jacrev of permute_tokens, against the same of
-  index_select, and a loop of calls stacked.
+  index_select, and a loop of calls stacked;
+- routing: moe_init_routing against index_select of the same rows (its
+  index made once, and with the stable sort of the ids first), and
+  moe_finalize_routing (drop_pad_mode 2, float32 scales) against torch's
+  composition (index_select, multiply, sum over k) and against clone of as
+  many bytes as it reads and writes; bf16, k = 8 of 256 experts, at prefill
+  (T = 4096) and decode (T = 32) sizes, each verified first (finalize bit for
+  bit against the sum over k one float32 step at a time).
 
 Each table is printed for torch's default allocator settings, then again in a
 child process with THP_MEM_ALLOC_ENABLE=1 (--allocator picks one). Prints
@@ -42,7 +49,7 @@ and at decode that moves a ratio by more than anything left in the call does
 leaves the bytes out, so that the decode tables show each call's fixed cost
 at decode's counts.
 
-    python bench/peers.py [--repeats N] [--only overhead|decode|loops|cold|prefill|vmap]
+    python bench/peers.py [--repeats N] [--only overhead|decode|loops|cold|prefill|vmap|routing]
                           [--allocator default|thp|both] [--processes N] [--hidden H]
 """
 
@@ -59,6 +66,7 @@ import sys
 import tempfile
 import time
 
+import ml_dtypes
 import numpy as np
 import torch
 
@@ -365,6 +373,61 @@ def vmap_table(repeats):
                 "torch.vmap(torch.index_select)")
 
 
+def routing_tables(repeats, num_tokens, name):
+    k, experts = 8, 256
+    generator = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, HIDDEN, generator=generator).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(experts, generator=generator)[:k]
+                       for _ in range(num_tokens)]).to(torch.int32)
+    init = dict(expert_num=experts, expert_tokens_count_or_cumsum_flag=2)
+    expanded, row_idx, counts, _ = moe_reroute.moe_init_routing(x, ids, **init)
+    order = torch.sort(ids.flatten(), stable=True).indices
+    source = order // k
+    check(f"{name} init", [expanded], [x.index_select(0, source)])
+    if not (torch.equal(row_idx[order], torch.arange(num_tokens * k, dtype=torch.int32))
+            and torch.equal(counts, torch.bincount(ids.flatten(), minlength=experts).int())):
+        raise SystemExit(f"{name} init: expanded_row_idx or the counts differ from the sort's")
+    x_numpy = x.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+    times = timings_us({
+        "index_select of the same rows": lambda: x.index_select(0, source),
+        "stable sort of the ids + index_select": lambda: x.index_select(
+            0, torch.sort(ids.flatten(), stable=True).indices // k),
+        "moe_init_routing (torch)": lambda: moe_reroute.moe_init_routing(x, ids, **init),
+        "moe_init_routing (numpy)": lambda: moe_reroute.moe_init_routing(
+            x_numpy, ids.numpy(), **init),
+    }, repeats)
+    print_table(f"init_{name}: T={num_tokens} bf16 H={HIDDEN}, top-{k} of {experts}, median of "
+                f"{repeats}", times, "index_select of the same rows")
+
+    scales = torch.rand(num_tokens, k, generator=generator)
+    finalize = dict(scales=scales, drop_pad_mode=2)
+    out = moe_reroute.moe_finalize_routing(expanded, row_idx, **finalize)
+    rows = expanded.index_select(0, row_idx.long()).view(num_tokens, k, HIDDEN).float()
+    want = torch.zeros(num_tokens, HIDDEN)
+    for j in range(k):  # the contract's order, each float32 step rounded
+        want = want + rows[:, j] * scales[:, j:j + 1]
+    if not torch.equal(out.view(torch.uint16), want.to(torch.bfloat16).view(torch.uint16)):
+        raise SystemExit(f"{name} finalize: result differs from the float32 sum over k")
+    # As many bytes as finalize reads (k rows a token) and writes (one), read and written.
+    same_bytes = torch.empty((num_tokens * (k + 1) * HIDDEN) // 2, dtype=torch.bfloat16)
+    long_idx = row_idx.long()
+    times = timings_us({
+        "clone of as many bytes": same_bytes.clone,
+        "torch index_select, multiply, sum over k": lambda: (
+            expanded.index_select(0, long_idx).view(num_tokens, k, HIDDEN).float()
+            * scales.unsqueeze(-1)).sum(1).to(torch.bfloat16),
+        "moe_finalize_routing (torch)": lambda: moe_reroute.moe_finalize_routing(
+            expanded, row_idx, **finalize),
+    }, repeats)
+    print_table(f"finalize_{name}: T={num_tokens} k={k} bf16 H={HIDDEN}, float32 scales, "
+                f"median of {repeats}", times, "clone of as many bytes")
+
+
+def routing(repeats):
+    routing_tables(repeats, 4096, "prefill")
+    routing_tables(max(repeats, 200), 32, "decode")
+
+
 def idle_calls_after_pause(times, fns, pause_s=3.0):
     """One call of each of `fns` after `pause_s` seconds idle, over its median:
     in a VM whose kernel reports free memory to the hypervisor (free page
@@ -424,7 +487,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--only",
-                        choices=("overhead", "decode", "loops", "cold", "prefill", "vmap"))
+                        choices=("overhead", "decode", "loops", "cold", "prefill", "vmap",
+                                 "routing"))
     parser.add_argument("--allocator", choices=("default", "thp", "both"), default="both")
     parser.add_argument("--processes", type=int, default=1)
     parser.add_argument("--hidden", type=int, default=HIDDEN)
@@ -458,6 +522,8 @@ def main():
         prefill(args.repeats)
     if args.only in (None, "vmap"):
         vmap_table(max(args.repeats, 20))
+    if args.only in (None, "routing"):
+        routing(args.repeats)
     if args.allocator == "both":
         sys.stdout.flush()
         argv = [a for a in sys.argv if a != "--allocator" and a != "both"]

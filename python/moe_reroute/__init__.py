@@ -187,7 +187,7 @@ def moe_finalize_routing(expanded_x, expanded_row_idx, *, x1=None, x2=None, bias
     [j * T + t] (modes 0, 1) or [t * k + j] (modes 2, 3, moe_init_routing's
     layout); rows -1 (modes 1, 3) or past expanded_x (modes 0, 2) are skipped.
     x1, x2 [T, H], bias [E, H] (with expert_idx int32 [T, k]) of expanded_x's
-    dtype; scales [T, k] of that dtype, or float32 with bfloat16; k is
+    dtype; scales [T, k] of that dtype, or float32; k is
     scales' dim 1, or 1 without scales. Torch tensors in, torch tensors out
     (autograd for expanded_x, x1, x2, bias and scales); NumPy in, NumPy out.
     Raises TypeError (dtype) or ValueError (shape, value) naming the argument,

@@ -33,6 +33,13 @@ ROWS = {
              "moe_re_routing per entry, stacked", "torch.func.jacrev(torch.index_select)",
              "torch.func.jacrev(moe_reroute.moe_re_routing)"],
 }
+for _size in ("prefill", "decode"):
+    ROWS[f"init_{_size}"] = ["index_select of the same rows",
+                             "stable sort of the ids + index_select",
+                             "moe_init_routing (torch)", "moe_init_routing (numpy)"]
+    ROWS[f"finalize_{_size}"] = ["clone of as many bytes",
+                                 "torch index_select, multiply, sum over k",
+                                 "moe_finalize_routing (torch)"]
 ROWS["cold"] = ROWS["loops"]  # the same contenders, with the caches emptied before each call
 
 

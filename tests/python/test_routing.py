@@ -196,7 +196,8 @@ def test_init_routing_spec_example():
 
 # (expanded_x dtype, scales dtype)
 FINALIZE_DTYPES = [(np.float16, np.float16), (ml_dtypes.bfloat16, ml_dtypes.bfloat16),
-                   (np.float32, np.float32), (ml_dtypes.bfloat16, np.float32)]
+                   (np.float32, np.float32), (ml_dtypes.bfloat16, np.float32),
+                   (np.float16, np.float32)]
 # x1 / x2, bias with expert_idx, scales: each present or absent.
 OPTIONAL_FORMS = list(itertools.product(("", "x1", "x1+x2"), ("", "expert_idx", "bias"),
                                         (False, True)))
@@ -245,7 +246,8 @@ def framework_arguments(framework, arguments):
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("mode", range(4))
 @pytest.mark.parametrize(("dtype", "scales_dtype"), FINALIZE_DTYPES,
-                         ids=["float16", "bfloat16", "float32", "bfloat16-float32-scales"])
+                         ids=["float16", "bfloat16", "float32", "bfloat16-float32-scales",
+                              "float16-float32-scales"])
 def test_finalize_routing_matches_the_reference(framework, mode, dtype, scales_dtype):
     rng = seeded("finalize", framework, str(mode), np.dtype(dtype).name,
                  np.dtype(scales_dtype).name)
@@ -377,8 +379,8 @@ FINALIZE_BAD = [
      r"^bias: must be \[E, H\]"),
     ("scales shape", dict(scales=np.ones((T, K, 1), np.float16)), ValueError,
      r"^scales: must be 2-D \[T, k\]"),
-    ("scales dtype", dict(scales=np.ones((T, K), np.float32)), TypeError,
-     "^scales: dtype float32 does not pair with expanded_x's float16"),
+    ("scales dtype", dict(scales=np.ones((T, K), ml_dtypes.bfloat16)), TypeError,
+     "^scales: dtype bfloat16 does not pair with expanded_x's float16"),
     ("expert_idx shape", dict(expert_idx=np.zeros((T, K + 1), np.int32)), ValueError,
      r"^expert_idx: must be \[T, k\] = \[4, 2\]"),
     ("expert_idx past bias", dict(expert_idx=np.full((T, K), 3, np.int32)), ValueError,
