@@ -180,9 +180,10 @@ elif ((!dry_run)); then
 fi
 
 # The sanitizers' reduced list: small cases of every kind of access (one
-# rank and one expert, both paths of the inverse, bad counts on both paths)
-# for memcheck; both launch paths and their barriers for synccheck.
-memcheck_groups=(edges inverse bad_counts)
+# rank and one expert, both paths of the inverse, bad counts on both paths,
+# the routing operators' kernels on bad and then good values) for memcheck;
+# both launch paths and their barriers for synccheck.
+memcheck_groups=(edges inverse bad_counts init_bad_ids finalize_bad_rows)
 synccheck_groups=(blocks alignment)
 if ((dry_run)); then
   plan correctness "$correctness, every group (--list):"

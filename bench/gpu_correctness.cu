@@ -18,6 +18,11 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <optional>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -26,6 +31,7 @@
 #include "cuda/kernels.h"
 #include "moe_reroute/cuda.h"
 #include "reference.h"
+#include "routing_reference.h"
 #include "workload.h"
 
 namespace {
@@ -557,6 +563,650 @@ void device_guard(Verdict& v, cudaStream_t) {
   cudaStreamDestroy(stream);
 }
 
+// moe_init_routing and moe_finalize_routing: every device tensor of a call
+// between guard zones, its outputs poisoned, by name.
+class DeviceTensors {
+ public:
+  TensorView add(const char* name, const TensorSpec& spec, std::size_t offset, bool output,
+                 const std::vector<std::byte>& host = {}) {
+    const auto& added = tensors_.emplace_back(
+        Named{name, output, std::make_unique<DeviceBuffer>(spec.nbytes(), offset)});
+    if (!host.empty()) added.buffer->upload(host);
+    return TensorView(added.buffer->data(), spec.dtype, spec.shape);
+  }
+  void upload(const char* name, const std::vector<std::byte>& host) const {
+    find(name).upload(host);
+  }
+  std::vector<std::byte> download(const char* name) const { return find(name).download(); }
+  void poison_outputs() const {
+    for (const Named& t : tensors_) {
+      if (t.output) t.buffer->poison();
+    }
+  }
+  /// "" when no guard byte was written.
+  std::string guards() const {
+    for (const Named& t : tensors_) {
+      if (std::string bad = t.buffer->guards(t.name.c_str()); !bad.empty()) return bad;
+    }
+    return "";
+  }
+  /// "" when every output still holds poison and no guard was written.
+  std::string untouched() const {
+    for (const Named& t : tensors_) {
+      if (!t.output) continue;
+      for (const std::byte b : t.buffer->download()) {
+        if (b != kPoison) return t.name + ": written by a refused call";
+      }
+    }
+    return guards();
+  }
+
+ private:
+  struct Named {
+    std::string name;
+    bool output;
+    std::unique_ptr<DeviceBuffer> buffer;
+  };
+  const DeviceBuffer& find(const char* name) const {
+    for (const Named& t : tensors_) {
+      if (t.name == name) return *t.buffer;
+    }
+    throw std::logic_error(std::string("no tensor ") + name);
+  }
+  std::vector<Named> tensors_;
+};
+
+template <typename T>
+std::vector<std::byte> bytes_of(const std::vector<T>& values) {
+  std::vector<std::byte> bytes(values.size() * sizeof(T));
+  if (!bytes.empty()) std::memcpy(bytes.data(), values.data(), bytes.size());
+  return bytes;
+}
+
+// "" when `name`'s bytes are `expected`'s, else where they first differ.
+std::string differs(const DeviceTensors& d, const char* name,
+                    const std::vector<std::byte>& expected) {
+  const std::vector<std::byte> got = d.download(name);
+  if (got.size() != expected.size()) return std::string(name) + ": size differs";
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    if (got[i] != expected[i])
+      return std::string(name) + ": byte " + std::to_string(i) + " differs";
+  }
+  return "";
+}
+
+std::int32_t status_of(const DeviceTensors& d) {
+  std::int32_t status = 0;
+  std::memcpy(&status, d.download("status").data(), 4);
+  return status;
+}
+
+std::string status_is(const DeviceTensors& d, std::int32_t bits) {
+  const std::int32_t status = status_of(d);
+  return status == bits ? ""
+                        : "status " + std::to_string(status) + ", expected " + std::to_string(bits);
+}
+
+struct InitCase {
+  DType dtype = DType::kBFloat16;
+  std::int64_t tokens = 0;
+  std::int64_t hidden = 1;
+  std::int64_t top_k = 1;
+  DType id_dtype = DType::kInt32;
+  InitRoutingAttributes attributes;
+  double skew = 0;         // the share of ids that are expert 0
+  std::size_t offset = 0;  // of x and expanded_x from 256-byte alignment
+  std::uint64_t seed = 0;
+};
+
+std::string describe(const InitCase& c) {
+  const InitRoutingAttributes& a = c.attributes;
+  return std::string(dtype_name(c.dtype)) + " T=" + std::to_string(c.tokens) +
+         " H=" + std::to_string(c.hidden) + " k=" + std::to_string(c.top_k) + " " +
+         std::string(dtype_name(c.id_dtype)) + " E=" + std::to_string(a.expert_num) +
+         " mode=" + std::to_string(a.drop_pad_mode) + " C=" + std::to_string(a.expert_capacity) +
+         " active=" + std::to_string(a.active_num) +
+         " flag=" + std::to_string(a.expert_tokens_count_or_cumsum_flag) +
+         (a.expert_tokens_before_capacity_flag ? " before" : "") + " at +" +
+         std::to_string(c.offset) + " seed=" + std::to_string(c.seed);
+}
+
+std::vector<std::int64_t> random_ids(const InitCase& c, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> share(0, 1);
+  std::vector<std::int64_t> ids(static_cast<std::size_t>(c.tokens * c.top_k));
+  for (std::int64_t& id : ids) {
+    id = share(rng) < c.skew ? 0 : static_cast<std::int64_t>(rng() % c.attributes.expert_num);
+  }
+  return ids;
+}
+
+std::vector<std::byte> id_bytes(const std::vector<std::int64_t>& ids, DType dtype) {
+  if (dtype == DType::kInt64) return bytes_of(ids);
+  return bytes_of(std::vector<std::int32_t>(ids.begin(), ids.end()));
+}
+
+std::vector<std::byte> random_bytes(std::size_t size, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<std::byte> bytes(size);
+  for (std::byte& b : bytes) b = static_cast<std::byte>(rng() & 0xff);
+  return bytes;
+}
+
+// One moe_init_routing call's device tensors; enqueue may be captured.
+class InitCall {
+ public:
+  InitCall(const InitCase& c, const std::vector<std::int64_t>& ids) : c_(c), ids_(ids) {
+    const std::int64_t row_bytes = dtype_bytes(c.dtype, c.hidden);
+    x_ = random_bytes(static_cast<std::size_t>(c.tokens * row_bytes), c.seed);
+    inputs_ = {d_.add("x", {c.dtype, {c.tokens, c.hidden}}, c.offset, false, x_),
+               d_.add("expert_idx", {c.id_dtype, {c.tokens, c.top_k}}, 0, false,
+                      id_bytes(ids, c.id_dtype))};
+    const InitRoutingOutputSpecs specs = infer_init_routing(inputs_, c.attributes);
+    outputs_ = {
+        d_.add("expanded_x", specs.expanded_x, c.offset, true),
+        d_.add("expanded_row_idx", specs.expanded_row_idx, 0, true),
+        d_.add("expert_tokens_count_or_cumsum", specs.expert_tokens_count_or_cumsum, 0, true),
+        d_.add("expert_tokens_before_capacity", specs.expert_tokens_before_capacity, 0, true)};
+    workspace_bytes_ = cuda::init_routing_workspace_bytes(inputs_, c.attributes);
+    status_ = d_.add("status", {DType::kInt32, {1}}, 0, false, std::vector<std::byte>(4));
+    workspace_ = d_.add("workspace", {DType::kUInt8, {static_cast<std::int64_t>(workspace_bytes_)}},
+                        0, false);
+  }
+
+  void set_ids(const std::vector<std::int64_t>& ids) {
+    ids_ = ids;
+    d_.upload("expert_idx", id_bytes(ids, c_.id_dtype));
+  }
+  void reset() const {
+    d_.poison_outputs();
+    d_.upload("status", std::vector<std::byte>(4));
+  }
+  void enqueue(cudaStream_t stream) const {
+    cuda::moe_init_routing(
+        inputs_, outputs_, c_.attributes,
+        {stream, static_cast<std::int32_t*>(status_.data), workspace_.data, workspace_bytes_});
+  }
+
+  /// "" when every output is the naive reference's.
+  std::string compare() const {
+    if (std::string bad = status_is(d_, 0); !bad.empty()) return bad;
+    const InitRoutingAttributes& a = c_.attributes;
+    const testing::InitReferenceOutputs expected = testing::reference_init_routing(
+        {x_.data(), c_.tokens, dtype_bytes(c_.dtype, c_.hidden), ids_, c_.top_k, a.active_num,
+         a.expert_capacity, a.expert_num, a.drop_pad_mode, a.expert_tokens_count_or_cumsum_flag,
+         a.expert_tokens_before_capacity_flag});
+    for (const auto& [name, bytes] :
+         {std::pair{"expanded_x", expected.expanded_x},
+          {"expanded_row_idx", bytes_of(expected.expanded_row_idx)},
+          {"expert_tokens_count_or_cumsum", bytes_of(expected.count_or_cumsum)},
+          {"expert_tokens_before_capacity", bytes_of(expected.before_capacity)}}) {
+      if (std::string bad = differs(d_, name, bytes); !bad.empty()) return bad;
+    }
+    return d_.guards();
+  }
+  /// "" when the status is exactly `bits` and no output was written.
+  std::string untouched(std::int32_t bits) const {
+    if (std::string bad = status_is(d_, bits); !bad.empty()) return bad;
+    return d_.untouched();
+  }
+
+ private:
+  InitCase c_;
+  std::vector<std::int64_t> ids_;
+  std::vector<std::byte> x_;
+  DeviceTensors d_;
+  InitRoutingInputs inputs_;
+  InitRoutingOutputs outputs_;
+  std::size_t workspace_bytes_ = 0;
+  TensorView status_;
+  TensorView workspace_;
+};
+
+std::string run(const InitCall& call, cudaStream_t stream) {
+  call.reset();
+  call.enqueue(stream);
+  check(cudaStreamSynchronize(stream), "moe_init_routing");
+  return call.compare();
+}
+
+InitCase init_case(DType dtype, std::int64_t tokens, std::int64_t hidden, std::int64_t top_k,
+                   std::int64_t experts, std::uint64_t seed) {
+  InitCase c;
+  c.dtype = dtype;
+  c.tokens = tokens;
+  c.hidden = hidden;
+  c.top_k = top_k;
+  c.attributes.expert_num = experts;
+  c.seed = seed;
+  return c;
+}
+
+// Both modes over dtypes, id widths, row alignments, active_num, capacities
+// with drops, skewed ids, the count flags, T = 0, k = 1, E = 1 and E past
+// what one chunk of positions holds.
+void init_routings(Verdict& v, cudaStream_t stream) {
+  std::uint64_t seed = 1200;
+  std::vector<InitCase> cases;
+  for (const DType dtype : {DType::kInt8, DType::kBFloat16, DType::kFloat4E2M1, DType::kFloat32}) {
+    for (const std::int64_t hidden : {2, 7168}) {
+      for (const std::size_t offset : {0, 3}) {
+        InitCase c = init_case(dtype, 300, hidden, 8, 64, seed++);
+        c.offset = offset;
+        c.id_dtype = offset == 0 ? DType::kInt32 : DType::kInt64;
+        c.attributes.expert_tokens_count_or_cumsum_flag = offset == 0 ? 1 : 2;
+        cases.push_back(c);
+      }
+    }
+  }
+  for (const auto& [tokens, top_k, experts] : {std::tuple{0, 4, 8},
+                                               {1, 1, 1},
+                                               {5000, 1, 1},
+                                               {4096, 8, 256},
+                                               {777, 3, 3000},
+                                               {64, 16, 100000},
+                                               {32, 8, 256}}) {
+    for (const double skew : {0.0, 0.9}) {
+      InitCase c = init_case(DType::kBFloat16, tokens, 129, top_k, experts, seed++);
+      c.skew = skew;
+      c.attributes.expert_tokens_count_or_cumsum_flag = 2;
+      cases.push_back(c);
+      c.attributes.active_num = tokens * top_k / 3 + 1;  // the rows past it are not copied
+      cases.push_back(c);
+      if (tokens == 0) continue;
+      c.attributes = {};
+      c.attributes.drop_pad_mode = kDropPad;
+      c.attributes.expert_num = std::min<std::int64_t>(experts, 512);
+      c.attributes.expert_capacity = std::max<std::int64_t>(1, tokens / 4);  // drops
+      c.attributes.expert_tokens_before_capacity_flag = true;
+      cases.push_back(c);
+      c.attributes.expert_capacity = tokens;  // no drop, slots left zero
+      c.attributes.expert_tokens_before_capacity_flag = false;
+      cases.push_back(c);
+    }
+  }
+  for (const InitCase& c : cases) {
+    const InitCall call(c, random_ids(c, c.seed + 1));
+    v.add(describe(c), run(call, stream));
+  }
+}
+
+// Ids out of range: the status bit exactly, every output still poison; then
+// good ids in the same buffers work.
+void init_bad_ids(Verdict& v, cudaStream_t stream) {
+  std::uint64_t seed = 1300;
+  for (const DType id_dtype : {DType::kInt32, DType::kInt64}) {
+    for (const std::int64_t bad_id : {std::int64_t{-1}, std::int64_t{40}, std::int64_t{1} << 40,
+                                      std::numeric_limits<std::int64_t>::min()}) {
+      if (id_dtype == DType::kInt32 && (bad_id >> 31) != 0 && (bad_id >> 31) != -1) continue;
+      for (const std::int64_t mode : {kDropless, kDropPad}) {
+        InitCase c = init_case(DType::kBFloat16, 1000, 64, 4, 40, seed++);
+        c.id_dtype = id_dtype;
+        c.attributes.drop_pad_mode = mode;
+        c.attributes.expert_capacity = mode == kDropPad ? 30 : 0;
+        c.attributes.expert_tokens_count_or_cumsum_flag = mode == kDropPad ? 0 : 1;
+        c.attributes.expert_tokens_before_capacity_flag = mode == kDropPad;
+        const std::vector<std::int64_t> good = random_ids(c, seed);
+        std::vector<std::int64_t> spoilt = good;
+        spoilt[seed % spoilt.size()] = bad_id;
+        InitCall call(c, spoilt);
+        call.reset();
+        call.enqueue(stream);
+        check(cudaStreamSynchronize(stream), "moe_init_routing");
+        const std::string what = "id " + std::to_string(bad_id) + " " + describe(c);
+        v.add(what, call.untouched(cuda::kStatusExpertIdOutOfRange));
+        call.set_ids(good);
+        v.add(what + ", then good ids", run(call, stream));
+      }
+    }
+  }
+}
+
+struct FinalizeCase {
+  DType dtype = DType::kFloat32;
+  DType scales_dtype = DType::kFloat32;
+  std::int64_t tokens = 0;
+  std::int64_t top_k = 1;
+  std::int64_t hidden = 1;
+  std::int64_t drop_pad_mode = 0;
+  std::int64_t rows = 0;      // R, modes 0 and 2 (fewer than T * k: some pairs skipped)
+  std::int64_t experts = 1;   // E of [E, C, H] and of bias
+  std::int64_t capacity = 1;  // C, modes 1 and 3
+  bool x1 = false, x2 = false, bias = false, scales = false;
+  std::uint64_t seed = 0;
+};
+
+std::string describe(const FinalizeCase& c) {
+  return std::string(dtype_name(c.dtype)) +
+         (c.scales ? "/" + std::string(dtype_name(c.scales_dtype)) : "") +
+         " T=" + std::to_string(c.tokens) + " k=" + std::to_string(c.top_k) +
+         " H=" + std::to_string(c.hidden) + " mode=" + std::to_string(c.drop_pad_mode) +
+         " R=" + std::to_string(c.rows) + " E=" + std::to_string(c.experts) +
+         " C=" + std::to_string(c.capacity) + (c.x1 ? " x1" : "") + (c.x2 ? " x2" : "") +
+         (c.bias ? " bias" : "") + (c.scales ? " scales" : "") + " seed=" + std::to_string(c.seed);
+}
+
+testing::FloatType float_type(DType dtype) {
+  if (dtype == DType::kFloat16) return testing::FloatType::kFloat16;
+  return dtype == DType::kBFloat16 ? testing::FloatType::kBFloat16 : testing::FloatType::kFloat32;
+}
+
+// Values in [-4, 4] and, now and then, NaN, infinity, past float16's range
+// or subnormal, as `dtype`'s bytes.
+std::vector<std::byte> random_floats(DType dtype, std::int64_t count, std::mt19937_64& rng) {
+  std::uniform_real_distribution<float> value(-4, 4);
+  const float specials[] = {std::numeric_limits<float>::quiet_NaN(),
+                            std::numeric_limits<float>::infinity(), 70000.0f, 1e-7f, -0.0f};
+  std::vector<std::byte> bytes;
+  for (std::int64_t i = 0; i < count; ++i) {
+    const float v = rng() % 97 == 0 ? specials[rng() % 5] : value(rng);
+    const std::vector<std::byte> one = testing::reference_store(float_type(dtype), v);
+    bytes.insert(bytes.end(), one.begin(), one.end());
+  }
+  return bytes;
+}
+
+bool capacity_mode(std::int64_t mode) {
+  return mode == kFinalizeColumnMajorCapacity || mode == kFinalizeRowMajorCapacity;
+}
+
+// Row indices as moe_init_routing leaves them: a permutation of T * k rows
+// (those past R skipped), or slots of [E, C] with -1 for dropped pairs.
+std::vector<std::int32_t> random_rows(const FinalizeCase& c, std::mt19937_64& rng) {
+  std::vector<std::int32_t> rows(static_cast<std::size_t>(c.tokens * c.top_k));
+  if (capacity_mode(c.drop_pad_mode)) {
+    for (std::int32_t& row : rows) {
+      row = rng() % 5 == 0 ? -1 : static_cast<std::int32_t>(rng() % (c.experts * c.capacity));
+    }
+  } else {
+    std::iota(rows.begin(), rows.end(), 0);
+    std::shuffle(rows.begin(), rows.end(), rng);
+  }
+  return rows;
+}
+
+// One moe_finalize_routing call's device tensors; enqueue may be captured.
+class FinalizeCall {
+ public:
+  FinalizeCall(const FinalizeCase& c, const std::vector<std::int32_t>& rows,
+               const std::vector<std::int32_t>& ids)
+      : c_(c), rows_(rows), ids_(ids) {
+    std::mt19937_64 rng(c.seed);
+    const bool capacity = capacity_mode(c.drop_pad_mode);
+    const Shape expanded =
+        capacity ? Shape{c.experts, c.capacity, c.hidden} : Shape{c.rows, c.hidden};
+    host_["expanded_x"] = random_floats(c.dtype, expanded.numel(), rng);
+    inputs_.expanded_x = d_.add("expanded_x", {c.dtype, expanded}, 2, false, host_["expanded_x"]);
+    inputs_.expanded_row_idx =
+        d_.add("expanded_row_idx", {DType::kInt32, {c.tokens * c.top_k}}, 0, false, bytes_of(rows));
+    const auto optional = [&](bool given, const char* name, DType dtype, Shape shape) {
+      if (!given) return std::optional<TensorView>();
+      host_[name] = random_floats(dtype, shape.numel(), rng);
+      return std::optional<TensorView>(d_.add(name, {dtype, shape}, 4, false, host_[name]));
+    };
+    inputs_.x1 = optional(c.x1, "x1", c.dtype, {c.tokens, c.hidden});
+    inputs_.x2 = optional(c.x2, "x2", c.dtype, {c.tokens, c.hidden});
+    inputs_.bias = optional(c.bias, "bias", c.dtype, {c.experts, c.hidden});
+    inputs_.scales = optional(c.scales, "scales", c.scales_dtype, {c.tokens, c.top_k});
+    if (c.bias) {
+      inputs_.expert_idx =
+          d_.add("expert_idx", {DType::kInt32, {c.tokens, c.top_k}}, 0, false, bytes_of(ids));
+    }
+    outputs_.out = d_.add("out", infer_finalize_routing(inputs_, attributes()).out, 6, true);
+    status_ = d_.add("status", {DType::kInt32, {1}}, 0, false, std::vector<std::byte>(4));
+    workspace_bytes_ = cuda::finalize_routing_workspace_bytes(inputs_, attributes());
+    workspace_ = d_.add("workspace", {DType::kUInt8, {static_cast<std::int64_t>(workspace_bytes_)}},
+                        0, false);
+  }
+
+  void set(const char* name, const std::vector<std::byte>& bytes) {
+    host_[name] = bytes;
+    d_.upload(name, bytes);
+  }
+  void set_rows(const std::vector<std::int32_t>& rows) {
+    rows_ = rows;
+    d_.upload("expanded_row_idx", bytes_of(rows));
+  }
+  void set_ids(const std::vector<std::int32_t>& ids) {
+    ids_ = ids;
+    d_.upload("expert_idx", bytes_of(ids));
+  }
+  void reset() const {
+    d_.poison_outputs();
+    d_.upload("status", std::vector<std::byte>(4));
+  }
+  void enqueue(cudaStream_t stream) const {
+    cuda::moe_finalize_routing(
+        inputs_, outputs_, attributes(),
+        {stream, static_cast<std::int32_t*>(status_.data), workspace_.data, workspace_bytes_});
+  }
+
+  std::string compare() const {
+    if (std::string bad = status_is(d_, 0); !bad.empty()) return bad;
+    const auto host = [&](const char* name) -> const void* {
+      const auto found = host_.find(name);
+      return found == host_.end() ? nullptr : found->second.data();
+    };
+    testing::FinalizeReferenceInputs in;
+    in.dtype = float_type(c_.dtype);
+    in.scales_dtype = float_type(c_.scales_dtype);
+    in.num_tokens = c_.tokens;
+    in.top_k = c_.top_k;
+    in.hidden = c_.hidden;
+    in.drop_pad_mode = c_.drop_pad_mode;
+    in.expanded_x = host("expanded_x");
+    in.expanded_rows = capacity_mode(c_.drop_pad_mode) ? c_.experts * c_.capacity : c_.rows;
+    in.expanded_row_idx = rows_.data();
+    in.x1 = host("x1");
+    in.x2 = host("x2");
+    in.bias = host("bias");
+    in.scales = host("scales");
+    in.expert_idx = c_.bias ? ids_.data() : nullptr;
+    if (std::string bad = differs(d_, "out", testing::reference_finalize_routing(in));
+        !bad.empty()) {
+      return bad;
+    }
+    return d_.guards();
+  }
+  std::string untouched(std::int32_t bits) const {
+    if (std::string bad = status_is(d_, bits); !bad.empty()) return bad;
+    return d_.untouched();
+  }
+
+ private:
+  FinalizeRoutingAttributes attributes() const { return {c_.drop_pad_mode}; }
+  FinalizeCase c_;
+  std::vector<std::int32_t> rows_;
+  std::vector<std::int32_t> ids_;
+  std::map<std::string, std::vector<std::byte>> host_;
+  DeviceTensors d_;
+  FinalizeRoutingInputs inputs_;
+  FinalizeRoutingOutputs outputs_;
+  std::size_t workspace_bytes_ = 0;
+  TensorView status_;
+  TensorView workspace_;
+};
+
+std::string run(const FinalizeCall& call, cudaStream_t stream) {
+  call.reset();
+  call.enqueue(stream);
+  check(cudaStreamSynchronize(stream), "moe_finalize_routing");
+  return call.compare();
+}
+
+std::vector<std::int32_t> random_expert_ids(const FinalizeCase& c, std::mt19937_64& rng) {
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(c.tokens * c.top_k));
+  for (std::int32_t& id : ids) id = static_cast<std::int32_t>(rng() % c.experts);
+  return ids;
+}
+
+FinalizeCase finalize_case(DType dtype, std::int64_t tokens, std::int64_t top_k,
+                           std::int64_t hidden, std::int64_t mode, std::uint64_t seed) {
+  FinalizeCase c;
+  c.dtype = dtype;
+  c.scales_dtype = dtype;
+  c.tokens = tokens;
+  c.top_k = top_k;
+  c.hidden = hidden;
+  c.drop_pad_mode = mode;
+  c.rows = tokens * top_k - tokens / 3;  // the pairs sorted past R are skipped
+  c.experts = 5;
+  c.capacity = std::max<std::int64_t>(1, tokens / 2);
+  c.seed = seed;
+  return c;
+}
+
+// Every mode, dtype (bfloat16 with float32 scales too) and set of optional
+// inputs, k = 1, T = 0, H from 1 to 7168, against the naive reference's
+// float32 steps bit for bit.
+void finalize_routings(Verdict& v, cudaStream_t stream) {
+  std::uint64_t seed = 1400;
+  for (const DType dtype : {DType::kFloat16, DType::kBFloat16, DType::kFloat32}) {
+    for (std::int64_t mode = 0; mode < 4; ++mode) {
+      for (int optional = 0; optional < 16; ++optional) {
+        FinalizeCase c = finalize_case(dtype, 67, 4, 33, mode, seed++);
+        c.x1 = optional & 1;
+        c.x2 = c.x1 && (optional & 2);
+        c.bias = optional & 4;
+        c.scales = optional & 8;
+        if (dtype == DType::kBFloat16 && (optional & 2)) c.scales_dtype = DType::kFloat32;
+        std::mt19937_64 rng(seed);
+        const FinalizeCall call(c, random_rows(c, rng), random_expert_ids(c, rng));
+        v.add(describe(c), run(call, stream));
+      }
+    }
+  }
+  for (const auto& [tokens, top_k, hidden] :
+       {std::tuple{0, 2, 16}, {1, 1, 1}, {32, 8, 7168}, {1000, 1, 5}, {300, 16, 384}}) {
+    for (const DType dtype : {DType::kBFloat16, DType::kFloat32}) {
+      FinalizeCase c = finalize_case(dtype, tokens, top_k, hidden, kFinalizeRowMajor, seed++);
+      c.x1 = c.x2 = c.bias = c.scales = true;
+      c.scales_dtype = DType::kFloat32;
+      std::mt19937_64 rng(seed);
+      const FinalizeCall call(c, random_rows(c, rng), random_expert_ids(c, rng));
+      v.add(describe(c), run(call, stream));
+    }
+  }
+  // docs/spec.md's single value: a fused multiply-add would give 2^-24, not 0.
+  FinalizeCase c = finalize_case(DType::kFloat32, 1, 1, 1, kFinalizeRowMajor, seed++);
+  c.rows = 1;
+  c.x1 = c.scales = true;
+  FinalizeCall call(c, {0}, {});
+  const std::vector<float> one_plus = {1.0f + 0x1p-12f};
+  call.set("expanded_x", bytes_of(one_plus));
+  call.set("scales", bytes_of(one_plus));
+  call.set("x1", bytes_of(std::vector<float>{-(1.0f + 0x1p-11f)}));
+  v.add("single value " + describe(c), run(call, stream));
+}
+
+// Bad row indices and bias ids: the status bits exactly, out still poison;
+// then good ones in the same buffers work.
+void finalize_bad_rows(Verdict& v, cudaStream_t stream) {
+  std::uint64_t seed = 1500;
+  const struct {
+    const char* name;
+    std::int64_t mode;
+    std::int32_t row;  // written at one pair (0 is a good row)
+    std::int32_t id;   // written at one pair (0 is a good id)
+    std::int32_t bits;
+  } cases[] = {
+      {"-1 in mode 0", kFinalizeColumnMajor, -1, 0, cuda::kStatusRowIndexOutOfRange},
+      {"-1 in mode 2", kFinalizeRowMajor, -1, 0, cuda::kStatusRowIndexOutOfRange},
+      {"-2 in mode 1", kFinalizeColumnMajorCapacity, -2, 0, cuda::kStatusRowIndexOutOfRange},
+      {"E * C in mode 3", kFinalizeRowMajorCapacity, 5 * 20, 0, cuda::kStatusRowIndexOutOfRange},
+      {"bias id E", kFinalizeRowMajor, 0, 5, cuda::kStatusBiasRowOutOfRange},
+      {"bias id -2 and row -7", kFinalizeColumnMajorCapacity, -7, -2,
+       cuda::kStatusRowIndexOutOfRange | cuda::kStatusBiasRowOutOfRange},
+  };
+  for (const auto& bad : cases) {
+    FinalizeCase c = finalize_case(DType::kBFloat16, 41, 3, 100, bad.mode, seed++);
+    c.x1 = c.bias = c.scales = true;
+    std::mt19937_64 rng(seed);
+    const std::vector<std::int32_t> rows = random_rows(c, rng);
+    const std::vector<std::int32_t> ids = random_expert_ids(c, rng);
+    std::vector<std::int32_t> bad_rows = rows, bad_ids = ids;
+    bad_rows[seed % bad_rows.size()] = bad.row;
+    bad_ids[(seed + 7) % bad_ids.size()] = bad.id;
+    FinalizeCall call(c, bad_rows, bad_ids);
+    call.reset();
+    call.enqueue(stream);
+    check(cudaStreamSynchronize(stream), "moe_finalize_routing");
+    const std::string what = std::string(bad.name) + " " + describe(c);
+    v.add(what, call.untouched(bad.bits));
+    call.set_rows(rows);
+    call.set_ids(ids);
+    v.add(what + ", then good ones", run(call, stream));
+  }
+}
+
+// Captures `enqueue` on `stream` into an executable graph.
+cudaGraphExec_t capture(cudaStream_t stream, const std::function<void()>& enqueue) {
+  cudaGraph_t graph = nullptr;
+  check(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
+  try {
+    enqueue();
+  } catch (...) {
+    cudaStreamEndCapture(stream, &graph);
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    throw;
+  }
+  check(cudaStreamEndCapture(stream, &graph), "end capture");
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t error = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  check(error, "instantiate");
+  return exec;
+}
+
+void replay(cudaGraphExec_t exec, cudaStream_t stream) {
+  check(cudaGraphLaunch(exec, stream), "graph launch");
+  check(cudaStreamSynchronize(stream), "replay");
+}
+
+// Each operator captured once and replayed with new ids or row indices
+// written between replays, one replay with bad ones (it must write nothing).
+void routing_graphs(Verdict& v, cudaStream_t stream) {
+  std::uint64_t seed = 1600;
+  for (const std::int64_t mode : {kDropless, kDropPad}) {
+    InitCase c = init_case(DType::kInt8, 2000, 7168, 8, 128, seed++);
+    c.attributes.drop_pad_mode = mode;
+    c.attributes.expert_capacity = mode == kDropPad ? 100 : 0;
+    c.attributes.expert_tokens_count_or_cumsum_flag = mode == kDropPad ? 0 : 1;
+    InitCall call(c, random_ids(c, seed));
+    const cudaGraphExec_t exec = capture(stream, [&] { call.enqueue(stream); });
+    for (int r = 0; r < 4; ++r) {
+      c.skew = 0.3 * r;
+      std::vector<std::int64_t> ids = random_ids(c, seed * 10 + r);
+      if (r == 2) ids.back() = c.attributes.expert_num;
+      call.set_ids(ids);
+      call.reset();
+      replay(exec, stream);
+      const std::string what = describe(c) + " replay " + std::to_string(r);
+      v.add(what, r == 2 ? call.untouched(cuda::kStatusExpertIdOutOfRange) : call.compare());
+    }
+    cudaGraphExecDestroy(exec);
+  }
+  for (const std::int64_t mode : {kFinalizeColumnMajor, kFinalizeRowMajorCapacity}) {
+    FinalizeCase c = finalize_case(DType::kBFloat16, 256, 8, 7168, mode, seed++);
+    c.x1 = c.x2 = c.bias = c.scales = true;
+    c.scales_dtype = DType::kFloat32;
+    std::mt19937_64 rng(seed);
+    FinalizeCall call(c, random_rows(c, rng), random_expert_ids(c, rng));
+    const cudaGraphExec_t exec = capture(stream, [&] { call.enqueue(stream); });
+    for (int r = 0; r < 4; ++r) {
+      std::vector<std::int32_t> rows = random_rows(c, rng);
+      if (r == 2) rows.front() = -3;
+      call.set_rows(rows);
+      call.set_ids(random_expert_ids(c, rng));
+      call.reset();
+      replay(exec, stream);
+      const std::string what = describe(c) + " replay " + std::to_string(r);
+      v.add(what, r == 2 ? call.untouched(cuda::kStatusRowIndexOutOfRange) : call.compare());
+    }
+    cudaGraphExecDestroy(exec);
+  }
+}
+
 struct Group {
   const char* name;
   const char* covers;
@@ -583,6 +1233,18 @@ const Group kGroups[] = {
      bad_counts},
     {"device", "a stream of device 1 with device 0 current (two GPUs; else no case)", false,
      device_guard},
+    {"init_routing",
+     "moe_init_routing: both modes, 4 dtypes, int32/int64 ids, active_num, drops, skew, T = 0",
+     false, init_routings},
+    {"init_bad_ids", "moe_init_routing: ids outside [0, E): the status bit, outputs still poison",
+     false, init_bad_ids},
+    {"finalize_routing", "moe_finalize_routing: every mode, dtype and optional input, bit for bit",
+     false, finalize_routings},
+    {"finalize_bad_rows",
+     "moe_finalize_routing: bad rows and bias ids: the status bits, out poison", false,
+     finalize_bad_rows},
+    {"routing_graphs", "both routing operators captured, replayed with new ids / rows and bad ones",
+     false, routing_graphs},
     {"past_2gib", "one tensor over 2^31 bytes", true, past_2gib},
 };
 
@@ -623,7 +1285,7 @@ int main(int argc, char** argv) {
   }
   if (list) {
     for (const Group& g : kGroups) {
-      if (chosen(g)) std::printf("%-11s %s%s\n", g.name, g.covers, g.big ? " (big)" : "");
+      if (chosen(g)) std::printf("%-17s %s%s\n", g.name, g.covers, g.big ? " (big)" : "");
     }
     return 0;
   }
@@ -655,7 +1317,7 @@ int main(int argc, char** argv) {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const bool ok = v.first_failure().empty();
     failed += ok ? 0 : 1;
-    std::printf("%-4s %-11s %4d cases %7.2f s  %s\n", ok ? "ok" : "FAIL", g.name, v.cases(),
+    std::printf("%-4s %-17s %4d cases %7.2f s  %s\n", ok ? "ok" : "FAIL", g.name, v.cases(),
                 seconds, ok ? g.covers : v.first_failure().c_str());
     std::fflush(stdout);
   }

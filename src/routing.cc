@@ -96,6 +96,18 @@ std::vector<TensorSpec> specs_of(const std::vector<NamedView>& views) {
 
 const TensorView* given(const std::optional<TensorView>& view) { return view ? &*view : nullptr; }
 
+// check_run_arguments on `op`'s views by name, with `extra` after the outputs.
+template <typename A>
+void check_named(const OperatorDescOf<A>& op, std::span<const TensorView* const> input_views,
+                 std::span<const TensorView* const> output_views, std::vector<TensorSpec> specs,
+                 const std::vector<NamedView>& extra) {
+  const std::vector<NamedView> named_inputs = named(op, input_views, false);
+  std::vector<NamedView> named_outputs = named(op, output_views, true);
+  named_outputs.insert(named_outputs.end(), extra.begin(), extra.end());
+  for (const NamedView& view : extra) specs.push_back(view.view->spec);
+  check_run_arguments(specs_of(named_inputs), named_inputs, specs, named_outputs);
+}
+
 }  // namespace
 
 InitRoutingCall validate(const InitRoutingInputs& inputs, const InitRoutingAttributes& attributes) {
@@ -395,9 +407,29 @@ void check_finalize_values(const FinalizeRoutingCall& call, const FinalizeRoutin
   }
 }
 
-}  // namespace detail
+void check_arguments(const InitRoutingCall& call, const InitRoutingInputs& inputs,
+                     const InitRoutingOutputs& outputs, const std::vector<NamedView>& extra) {
+  const TensorView* input_views[] = {&inputs.x, &inputs.expert_idx};
+  const TensorView* output_views[] = {&outputs.expanded_x, &outputs.expanded_row_idx,
+                                      &outputs.expert_tokens_count_or_cumsum,
+                                      &outputs.expert_tokens_before_capacity};
+  check_named(init_routing_desc(), input_views, output_views,
+              {call.specs.expanded_x, call.specs.expanded_row_idx,
+               call.specs.expert_tokens_count_or_cumsum, call.specs.expert_tokens_before_capacity},
+              extra);
+}
 
-using detail::given;
+void check_arguments(const FinalizeRoutingCall& call, const FinalizeRoutingInputs& inputs,
+                     const FinalizeRoutingOutputs& outputs, const std::vector<NamedView>& extra) {
+  const TensorView* input_views[] = {&inputs.expanded_x,   &inputs.expanded_row_idx,
+                                     given(inputs.x1),     given(inputs.x2),
+                                     given(inputs.bias),   given(inputs.scales),
+                                     given(inputs.expert_idx)};
+  const TensorView* output_views[] = {&outputs.out};
+  check_named(finalize_routing_desc(), input_views, output_views, {call.specs.out}, extra);
+}
+
+}  // namespace detail
 
 InitRoutingOutputSpecs infer_init_routing(const InitRoutingInputs& inputs,
                                           const InitRoutingAttributes& attributes) {
@@ -413,17 +445,7 @@ void moe_init_routing(const InitRoutingInputs& inputs, const InitRoutingOutputs&
                       const InitRoutingAttributes& attributes, int num_threads) {
   detail::check_num_threads(num_threads);
   const detail::InitRoutingCall call = detail::validate(inputs, attributes);
-  const TensorView* input_views[] = {&inputs.x, &inputs.expert_idx};
-  const TensorView* output_views[] = {&outputs.expanded_x, &outputs.expanded_row_idx,
-                                      &outputs.expert_tokens_count_or_cumsum,
-                                      &outputs.expert_tokens_before_capacity};
-  const InitRoutingDesc& op = init_routing_desc();
-  const std::vector<detail::NamedView> named_inputs = detail::named(op, input_views, false);
-  const TensorSpec specs[] = {call.specs.expanded_x, call.specs.expanded_row_idx,
-                              call.specs.expert_tokens_count_or_cumsum,
-                              call.specs.expert_tokens_before_capacity};
-  detail::check_run_arguments(detail::specs_of(named_inputs), named_inputs, specs,
-                              detail::named(op, output_views, true));
+  detail::check_arguments(call, inputs, outputs);
   const detail::InitRoutingLayout layout = detail::init_routing_layout(call, inputs.expert_idx);
   detail::cpu::init_routing(call, layout, inputs, outputs, num_threads);
 }
@@ -433,15 +455,7 @@ void moe_finalize_routing(const FinalizeRoutingInputs& inputs,
                           const FinalizeRoutingAttributes& attributes, int num_threads) {
   detail::check_num_threads(num_threads);
   const detail::FinalizeRoutingCall call = detail::validate(inputs, attributes);
-  const TensorView* input_views[] = {&inputs.expanded_x,   &inputs.expanded_row_idx,
-                                     given(inputs.x1),     given(inputs.x2),
-                                     given(inputs.bias),   given(inputs.scales),
-                                     given(inputs.expert_idx)};
-  const TensorView* output_views[] = {&outputs.out};
-  const FinalizeRoutingDesc& op = finalize_routing_desc();
-  const std::vector<detail::NamedView> named_inputs = detail::named(op, input_views, false);
-  detail::check_run_arguments(detail::specs_of(named_inputs), named_inputs,
-                              std::span(&call.specs.out, 1), detail::named(op, output_views, true));
+  detail::check_arguments(call, inputs, outputs);
   detail::check_finalize_values(call, inputs);
   detail::cpu::finalize_routing(call, inputs, outputs, num_threads);
 }

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "check.h"
 #include "moe_reroute/routing.h"
 
 namespace moe_reroute::detail {
@@ -51,6 +52,16 @@ FinalizeRoutingCall validate(const FinalizeRoutingInputs& inputs,
 /// The rules on values: expanded_row_idx's rows and, with bias, expert_idx's
 /// ids. Throws Error naming the argument.
 void check_finalize_values(const FinalizeRoutingCall& call, const FinalizeRoutingInputs& inputs);
+
+/// Rule 8 of section 12, 9 of 13: every input and given output has its spec
+/// and data, and no output overlaps an input or another output; `extra` are
+/// further outputs a backend writes (the CUDA status word and workspace).
+/// Throws Error naming the argument.
+void check_arguments(const InitRoutingCall& call, const InitRoutingInputs& inputs,
+                     const InitRoutingOutputs& outputs, const std::vector<NamedView>& extra = {});
+void check_arguments(const FinalizeRoutingCall& call, const FinalizeRoutingInputs& inputs,
+                     const FinalizeRoutingOutputs& outputs,
+                     const std::vector<NamedView>& extra = {});
 
 namespace cpu {
 

@@ -22,17 +22,26 @@
 
 #include "moe_reroute/cuda_export.h"
 #include "moe_reroute/reroute.h"
+#include "moe_reroute/routing.h"
 
 namespace moe_reroute::cuda {
 
-/// Bits of the device status word. The word is sticky: a call whose counts
-/// are bad ORs its bits in, a good call leaves it as it was, no call clears
-/// it; the caller zeroes it once and reads (and clears) it when it chooses.
+/// Bits of the device status word. The word is sticky: a call whose counts,
+/// ids or row indices are bad ORs its bits in, a good call leaves it as it
+/// was, no call clears it; the caller zeroes it once and reads (and clears)
+/// it when it chooses.
 enum StatusBit : std::int32_t {
   kStatusNegativeCount = 1,  // some count[r][e] < 0 (rule 4)
   // The counts do not sum to A (sum past A with allow_spare_rows), or a count
   // or the sum passes A or overflows (rule 5).
   kStatusCountSumMismatch = 2,
+  // moe_init_routing: some expert_idx value is outside [0, expert_num) (rule 12.7).
+  kStatusExpertIdOutOfRange = 4,
+  // moe_finalize_routing: some expanded_row_idx value is below -1, -1 with
+  // drop_pad_mode 0 or 2, or at or past E * C with 1 or 3 (rule 13.8).
+  kStatusRowIndexOutOfRange = 8,
+  // moe_finalize_routing with bias: some expert_idx value is not a row of bias (rule 13.8).
+  kStatusBiasRowOutOfRange = 16,
 };
 
 /// Where a call runs and what device memory it may use.
@@ -46,7 +55,8 @@ struct DeviceContext {
   void* stream = nullptr;  // a cudaStream_t; nullptr is the legacy default stream
   std::int32_t* status = nullptr;  // device int32, 4-byte aligned, sticky (see StatusBit)
   void* workspace = nullptr;       // device memory, 8-byte aligned; may be null when none is needed
-  std::size_t workspace_bytes = 0;  // at least required_workspace_bytes(N, E)
+  // At least required_workspace_bytes(N, E), or the routing operators' *_workspace_bytes.
+  std::size_t workspace_bytes = 0;
 };
 
 /// Device workspace bytes a call with counts of shape [num_ranks, num_experts]
@@ -71,6 +81,42 @@ MOE_REROUTE_CUDA_API void moe_re_routing_inverse(const InverseInputs& inputs,
                                                  const InverseOutputs& outputs,
                                                  const Attributes& attributes,
                                                  const DeviceContext& context);
+
+/// Device workspace bytes of moe_init_routing for these inputs' shapes and
+/// dtypes and `attributes` (no data is read): the ids' histogram per chunk
+/// of positions and the source row of each row of expanded_x. Throws Error
+/// as moe_init_routing does for a bad shape, dtype or attribute.
+MOE_REROUTE_CUDA_API std::size_t init_routing_workspace_bytes(
+    const InitRoutingInputs& inputs, const InitRoutingAttributes& attributes = {});
+
+/// Device workspace bytes of moe_finalize_routing for these inputs' shapes
+/// and `attributes`: the call's flag of bad row indices. Throws Error as
+/// moe_finalize_routing does for a bad shape, dtype or attribute.
+MOE_REROUTE_CUDA_API std::size_t finalize_routing_workspace_bytes(
+    const FinalizeRoutingInputs& inputs, const FinalizeRoutingAttributes& attributes = {});
+
+/// moe_init_routing (docs/spec.md section 12) on device views, with the
+/// CPU's specs (infer_init_routing); expert_num must be >= 1 here (it bounds
+/// the histogram of the ids). The ids are checked on the device: an id
+/// outside [0, expert_num) sets kStatusExpertIdOutOfRange and no output is
+/// written. expert_idx and the int32 outputs must be aligned to their
+/// element size; x and expanded_x may have any alignment. Throws Error on the
+/// host before launching anything.
+MOE_REROUTE_CUDA_API void moe_init_routing(const InitRoutingInputs& inputs,
+                                           const InitRoutingOutputs& outputs,
+                                           const InitRoutingAttributes& attributes,
+                                           const DeviceContext& context);
+
+/// moe_finalize_routing (docs/spec.md section 13) on device views, with the
+/// CPU's spec (infer_finalize_routing) and its float32 arithmetic bit for
+/// bit. The row indices and, with bias, the ids are checked on the device:
+/// kStatusRowIndexOutOfRange or kStatusBiasRowOutOfRange, and out is not
+/// written. Every view must be aligned to its element size. Throws Error on
+/// the host before launching anything.
+MOE_REROUTE_CUDA_API void moe_finalize_routing(const FinalizeRoutingInputs& inputs,
+                                               const FinalizeRoutingOutputs& outputs,
+                                               const FinalizeRoutingAttributes& attributes,
+                                               const DeviceContext& context);
 
 /// Whether `stream` (a cudaStream_t; nullptr is the legacy default stream) is
 /// being captured into a CUDA graph now, for callers that allocate or read

@@ -4,13 +4,13 @@
 // into fused multiply-adds, so every step rounds on its own).
 
 #include <algorithm>
-#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
 #include "../check.h"
+#include "../float_bits.h"
 #include "../routing.h"
 #include "copy.h"
 #include "moe_reroute/reroute.h"
@@ -34,58 +34,6 @@ template <typename T>
 void copy_vector(const std::vector<T>& from, const TensorView& to) {
   if (!from.empty()) std::memcpy(to.data, from.data(), from.size() * sizeof(T));
 }
-
-// The element types finalize reads and writes, as float32.
-struct Half {
-  using Storage = std::uint16_t;
-  static float load(std::uint16_t h) {
-    const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
-    const std::uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
-    if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in float32
-      const float magnitude = static_cast<float>(mantissa) * 0x1p-24f;
-      return std::bit_cast<float>(std::bit_cast<std::uint32_t>(magnitude) | sign);
-    }
-    const std::uint32_t bits = exponent == 0x1f ? 0x7f800000u | (mantissa << 13)
-                                                : ((exponent + 112) << 23) | (mantissa << 13);
-    return std::bit_cast<float>(sign | bits);
-  }
-  // Round to nearest, ties to even.
-  static std::uint16_t store(float value) {
-    std::uint32_t x = std::bit_cast<std::uint32_t>(value);
-    const auto sign = static_cast<std::uint16_t>((x >> 16) & 0x8000u);
-    x &= 0x7fffffffu;
-    if (x > 0x7f800000u) return sign | 0x7e00u;         // NaN
-    if (x >= 0x477ff000u) return sign | 0x7c00u;        // 65520 and up round to infinity
-    if (x >= 0x38800000u) {                              // normal: rebias, round off 13 bits
-      x -= 0x38000000u;
-      x += 0xfffu + ((x >> 13) & 1u);
-      return static_cast<std::uint16_t>(sign | (x >> 13));
-    }
-    const std::uint32_t shift = 126u - (x >> 23);  // subnormal: mantissa * 2^-shift
-    if (shift > 24) return sign;
-    const std::uint32_t mantissa = (x & 0x7fffffu) | 0x800000u;
-    std::uint32_t rounded = mantissa >> shift;
-    const std::uint32_t rest = mantissa & ((1u << shift) - 1), half = 1u << (shift - 1);
-    if (rest > half || (rest == half && (rounded & 1u))) ++rounded;
-    return static_cast<std::uint16_t>(sign | rounded);
-  }
-};
-
-struct BFloat16 {
-  using Storage = std::uint16_t;
-  static float load(std::uint16_t b) { return std::bit_cast<float>(std::uint32_t{b} << 16); }
-  static std::uint16_t store(float value) {
-    const std::uint32_t x = std::bit_cast<std::uint32_t>(value);
-    if ((x & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN, as torch and ml_dtypes give it
-    return static_cast<std::uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
-  }
-};
-
-struct Float32 {
-  using Storage = float;
-  static float load(float value) { return value; }
-  static float store(float value) { return value; }
-};
 
 template <typename T>
 const typename T::Storage* elements(const TensorView& view) {

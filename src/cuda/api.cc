@@ -16,6 +16,7 @@
 
 #include "../call.h"
 #include "../check.h"
+#include "host.h"
 #include "kernels.h"
 #include "launch.h"
 #include "moe_reroute/cuda.h"
@@ -28,27 +29,13 @@ using moe_reroute::detail::named_inputs;
 using moe_reroute::detail::named_outputs;
 using moe_reroute::detail::NamedView;
 using moe_reroute::detail::row_bytes;
+using detail::CallDevice;
+using detail::check_aligned;
+using detail::check_cuda;
+using detail::check_element_aligned;
 
 static_assert(detail::kBitNegative == kStatusNegativeCount);
 static_assert(detail::kBitSum == kStatusCountSumMismatch);
-
-void check_cuda(cudaError_t error, const char* what) {
-  if (error != cudaSuccess) {
-    fail(ErrorCode::kBackend, std::string("cuda: ") + what + ": " + cudaGetErrorString(error));
-  }
-}
-
-void check_aligned(const void* data, std::int64_t alignment, const std::string& name) {
-  if (reinterpret_cast<std::uintptr_t>(data) % static_cast<std::uintptr_t>(alignment) != 0) {
-    fail(ErrorCode::kInvalidArgument, name + ": data must be " + std::to_string(alignment) +
-                                          "-byte aligned for the CUDA backend");
-  }
-}
-
-// Counts, indices and expert_token_num are read and written as whole ints.
-void check_element_aligned(const TensorView& view, const char* name) {
-  check_aligned(view.data, dtype_info(view.dtype()).bits / 8, name);
-}
 
 // The kernels index blocks and rows in int32 (the core bounds the forward's
 // R rows by the int32 index; the inverse's R input rows are bounded here).
@@ -121,33 +108,6 @@ const detail::DeviceLimits& device_limits(int device) {
   check_cuda(slot.error, "device limits");
   return slot.limits;
 }
-
-// The device a call on `stream` runs on (detail::call_device), current for
-// the guard's lifetime; the caller's current device comes back after.
-class CallDevice {
- public:
-  explicit CallDevice(cudaStream_t stream) {
-    check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
-    device_ = detail::call_device(
-        stream, previous_, [stream] { return stream_is_capturing(stream); },
-        [stream] {
-          int device = 0;
-          check_cuda(cudaStreamGetDevice(stream, &device), "cudaStreamGetDevice");
-          return device;
-        });
-    if (device_ != previous_) check_cuda(cudaSetDevice(device_), "cudaSetDevice");
-  }
-  CallDevice(const CallDevice&) = delete;
-  CallDevice& operator=(const CallDevice&) = delete;
-  ~CallDevice() {
-    if (device_ != previous_) cudaSetDevice(previous_);
-  }
-  int device() const { return device_; }
-
- private:
-  int previous_ = 0;
-  int device_ = 0;
-};
 
 const std::byte* bytes(const TensorView& view) { return static_cast<const std::byte*>(view.data); }
 std::byte* mutable_bytes(const TensorView& view) { return static_cast<std::byte*>(view.data); }

@@ -20,10 +20,20 @@ std::string status_message(std::int32_t status) {
     message += message.empty() ? "expert_token_num_per_rank: " : "; ";
     message += "the counts do not sum to the number of rows of tokens";
   }
-  if (status & ~(kStatusNegativeCount | kStatusCountSumMismatch)) {
+  const auto add = [&message](const char* text) {
     message += message.empty() ? "" : "; ";
-    message += "status: unknown bits in " + std::to_string(status);
+    message += text;
+  };
+  if (status & kStatusExpertIdOutOfRange) add("expert_idx: some id is outside [0, expert_num)");
+  if (status & kStatusRowIndexOutOfRange) {
+    add("expanded_row_idx: some row is below -1, -1 with drop_pad_mode 0 or 2, or not below "
+        "E * C with drop_pad_mode 1 or 3");
   }
+  if (status & kStatusBiasRowOutOfRange) add("expert_idx: some id is not a row of bias");
+  constexpr std::int32_t kKnown = kStatusNegativeCount | kStatusCountSumMismatch |
+                                  kStatusExpertIdOutOfRange | kStatusRowIndexOutOfRange |
+                                  kStatusBiasRowOutOfRange;
+  if (status & ~kKnown) add(("status: unknown bits in " + std::to_string(status)).c_str());
   return message;
 }
 

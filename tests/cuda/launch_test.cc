@@ -218,7 +218,7 @@ TEST(CudaStatus, MessagesNameTheArgument) {
   EXPECT_EQ(status_message(kStatusCountSumMismatch), "expert_token_num_per_rank: " + sum);
   EXPECT_EQ(status_message(kStatusNegativeCount | kStatusCountSumMismatch),
             "expert_token_num_per_rank: some count is negative; " + sum);
-  EXPECT_EQ(status_message(8), "status: unknown bits in 8");
+  EXPECT_EQ(status_message(64), "status: unknown bits in 64");
 }
 
 // Host buffers stand in for device memory: every call below must throw before
