@@ -647,6 +647,57 @@ std::string status_is(const DeviceTensors& d, std::int32_t bits) {
                         : "status " + std::to_string(status) + ", expected " + std::to_string(bits);
 }
 
+// What both routing calls keep beside their tensors: the status word and
+// the workspace, and the checks of a refused call.
+class RoutingCall {
+ public:
+  void reset() const {
+    d_.poison_outputs();
+    d_.upload("status", std::vector<std::byte>(4));
+  }
+  /// "" when the status is exactly `bits` and no output was written.
+  std::string untouched(std::int32_t bits) const {
+    if (std::string bad = status_is(d_, bits); !bad.empty()) return bad;
+    return d_.untouched();
+  }
+
+ protected:
+  void add_context(std::size_t workspace_bytes) {
+    workspace_bytes_ = workspace_bytes;
+    status_ = d_.add("status", {DType::kInt32, {1}}, 0, false, std::vector<std::byte>(4));
+    workspace_ = d_.add("workspace", {DType::kUInt8, {static_cast<std::int64_t>(workspace_bytes)}},
+                        0, false);
+  }
+  cuda::DeviceContext context(cudaStream_t stream) const {
+    return {stream, static_cast<std::int32_t*>(status_.data), workspace_.data, workspace_bytes_};
+  }
+  DeviceTensors d_;
+
+ private:
+  std::size_t workspace_bytes_ = 0;
+  TensorView status_;
+  TensorView workspace_;
+};
+
+// One call on poisoned outputs: "" when they are the naive reference's.
+template <typename Call>
+std::string run(const Call& call, cudaStream_t stream) {
+  call.reset();
+  call.enqueue(stream);
+  check(cudaStreamSynchronize(stream), "routing call");
+  return call.compare();
+}
+
+// One call with a bad value: "" when the status is exactly `bits` and no
+// output was written.
+template <typename Call>
+std::string run_refused(const Call& call, cudaStream_t stream, std::int32_t bits) {
+  call.reset();
+  call.enqueue(stream);
+  check(cudaStreamSynchronize(stream), "routing call");
+  return call.untouched(bits);
+}
+
 struct InitCase {
   DType dtype = DType::kBFloat16;
   std::int64_t tokens = 0;
@@ -694,7 +745,7 @@ std::vector<std::byte> random_bytes(std::size_t size, std::uint64_t seed) {
 }
 
 // One moe_init_routing call's device tensors; enqueue may be captured.
-class InitCall {
+class InitCall : public RoutingCall {
  public:
   InitCall(const InitCase& c, const std::vector<std::int64_t>& ids) : c_(c), ids_(ids) {
     const std::int64_t row_bytes = dtype_bytes(c.dtype, c.hidden);
@@ -708,24 +759,15 @@ class InitCall {
         d_.add("expanded_row_idx", specs.expanded_row_idx, 0, true),
         d_.add("expert_tokens_count_or_cumsum", specs.expert_tokens_count_or_cumsum, 0, true),
         d_.add("expert_tokens_before_capacity", specs.expert_tokens_before_capacity, 0, true)};
-    workspace_bytes_ = cuda::init_routing_workspace_bytes(inputs_, c.attributes);
-    status_ = d_.add("status", {DType::kInt32, {1}}, 0, false, std::vector<std::byte>(4));
-    workspace_ = d_.add("workspace", {DType::kUInt8, {static_cast<std::int64_t>(workspace_bytes_)}},
-                        0, false);
+    add_context(cuda::init_routing_workspace_bytes(inputs_, c.attributes));
   }
 
   void set_ids(const std::vector<std::int64_t>& ids) {
     ids_ = ids;
     d_.upload("expert_idx", id_bytes(ids, c_.id_dtype));
   }
-  void reset() const {
-    d_.poison_outputs();
-    d_.upload("status", std::vector<std::byte>(4));
-  }
   void enqueue(cudaStream_t stream) const {
-    cuda::moe_init_routing(
-        inputs_, outputs_, c_.attributes,
-        {stream, static_cast<std::int32_t*>(status_.data), workspace_.data, workspace_bytes_});
+    cuda::moe_init_routing(inputs_, outputs_, c_.attributes, context(stream));
   }
 
   /// "" when every output is the naive reference's.
@@ -745,30 +787,14 @@ class InitCall {
     }
     return d_.guards();
   }
-  /// "" when the status is exactly `bits` and no output was written.
-  std::string untouched(std::int32_t bits) const {
-    if (std::string bad = status_is(d_, bits); !bad.empty()) return bad;
-    return d_.untouched();
-  }
 
  private:
   InitCase c_;
   std::vector<std::int64_t> ids_;
   std::vector<std::byte> x_;
-  DeviceTensors d_;
   InitRoutingInputs inputs_;
   InitRoutingOutputs outputs_;
-  std::size_t workspace_bytes_ = 0;
-  TensorView status_;
-  TensorView workspace_;
 };
-
-std::string run(const InitCall& call, cudaStream_t stream) {
-  call.reset();
-  call.enqueue(stream);
-  check(cudaStreamSynchronize(stream), "moe_init_routing");
-  return call.compare();
-}
 
 InitCase init_case(DType dtype, std::int64_t tokens, std::int64_t hidden, std::int64_t top_k,
                    std::int64_t experts, std::uint64_t seed) {
@@ -850,11 +876,8 @@ void init_bad_ids(Verdict& v, cudaStream_t stream) {
         std::vector<std::int64_t> spoilt = good;
         spoilt[seed % spoilt.size()] = bad_id;
         InitCall call(c, spoilt);
-        call.reset();
-        call.enqueue(stream);
-        check(cudaStreamSynchronize(stream), "moe_init_routing");
         const std::string what = "id " + std::to_string(bad_id) + " " + describe(c);
-        v.add(what, call.untouched(cuda::kStatusExpertIdOutOfRange));
+        v.add(what, run_refused(call, stream, cuda::kStatusExpertIdOutOfRange));
         call.set_ids(good);
         v.add(what + ", then good ids", run(call, stream));
       }
@@ -926,7 +949,7 @@ std::vector<std::int32_t> random_rows(const FinalizeCase& c, std::mt19937_64& rn
 }
 
 // One moe_finalize_routing call's device tensors; enqueue may be captured.
-class FinalizeCall {
+class FinalizeCall : public RoutingCall {
  public:
   FinalizeCall(const FinalizeCase& c, const std::vector<std::int32_t>& rows,
                const std::vector<std::int32_t>& ids)
@@ -953,10 +976,7 @@ class FinalizeCall {
           d_.add("expert_idx", {DType::kInt32, {c.tokens, c.top_k}}, 0, false, bytes_of(ids));
     }
     outputs_.out = d_.add("out", infer_finalize_routing(inputs_, attributes()).out, 6, true);
-    status_ = d_.add("status", {DType::kInt32, {1}}, 0, false, std::vector<std::byte>(4));
-    workspace_bytes_ = cuda::finalize_routing_workspace_bytes(inputs_, attributes());
-    workspace_ = d_.add("workspace", {DType::kUInt8, {static_cast<std::int64_t>(workspace_bytes_)}},
-                        0, false);
+    add_context(cuda::finalize_routing_workspace_bytes(inputs_, attributes()));
   }
 
   void set(const char* name, const std::vector<std::byte>& bytes) {
@@ -971,14 +991,8 @@ class FinalizeCall {
     ids_ = ids;
     d_.upload("expert_idx", bytes_of(ids));
   }
-  void reset() const {
-    d_.poison_outputs();
-    d_.upload("status", std::vector<std::byte>(4));
-  }
   void enqueue(cudaStream_t stream) const {
-    cuda::moe_finalize_routing(
-        inputs_, outputs_, attributes(),
-        {stream, static_cast<std::int32_t*>(status_.data), workspace_.data, workspace_bytes_});
+    cuda::moe_finalize_routing(inputs_, outputs_, attributes(), context(stream));
   }
 
   std::string compare() const {
@@ -1008,10 +1022,6 @@ class FinalizeCall {
     }
     return d_.guards();
   }
-  std::string untouched(std::int32_t bits) const {
-    if (std::string bad = status_is(d_, bits); !bad.empty()) return bad;
-    return d_.untouched();
-  }
 
  private:
   FinalizeRoutingAttributes attributes() const { return {c_.drop_pad_mode}; }
@@ -1019,20 +1029,9 @@ class FinalizeCall {
   std::vector<std::int32_t> rows_;
   std::vector<std::int32_t> ids_;
   std::map<std::string, std::vector<std::byte>> host_;
-  DeviceTensors d_;
   FinalizeRoutingInputs inputs_;
   FinalizeRoutingOutputs outputs_;
-  std::size_t workspace_bytes_ = 0;
-  TensorView status_;
-  TensorView workspace_;
 };
-
-std::string run(const FinalizeCall& call, cudaStream_t stream) {
-  call.reset();
-  call.enqueue(stream);
-  check(cudaStreamSynchronize(stream), "moe_finalize_routing");
-  return call.compare();
-}
 
 std::vector<std::int32_t> random_expert_ids(const FinalizeCase& c, std::mt19937_64& rng) {
   std::vector<std::int32_t> ids(static_cast<std::size_t>(c.tokens * c.top_k));
@@ -1128,11 +1127,8 @@ void finalize_bad_rows(Verdict& v, cudaStream_t stream) {
     bad_rows[seed % bad_rows.size()] = bad.row;
     bad_ids[(seed + 7) % bad_ids.size()] = bad.id;
     FinalizeCall call(c, bad_rows, bad_ids);
-    call.reset();
-    call.enqueue(stream);
-    check(cudaStreamSynchronize(stream), "moe_finalize_routing");
     const std::string what = std::string(bad.name) + " " + describe(c);
-    v.add(what, call.untouched(bad.bits));
+    v.add(what, run_refused(call, stream, bad.bits));
     call.set_rows(rows);
     call.set_ids(ids);
     v.add(what + ", then good ones", run(call, stream));
