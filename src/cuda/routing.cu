@@ -7,7 +7,6 @@
 #include <cub/block/block_scan.cuh>
 
 #include "../float_bits.h"
-#include "moe_reroute/cuda.h"
 #include "routing_kernels.h"
 
 namespace moe_reroute::cuda::detail {
@@ -73,7 +72,7 @@ __global__ void __launch_bounds__(kBlockThreads) count_kernel(const InitRoutingP
     const bool in = position < chunk.end;
     const std::int64_t id = in ? load_id(p, position) : 0;
     if (__any_sync(kFullMask, in && (id < 0 || id >= p.expert_num))) {
-      if (lane() == 0) refuse(p.workspace, p.status, kStatusExpertIdOutOfRange);
+      if (lane() == 0) refuse(p.workspace, p.status, kBitExpertId);
       return;
     }
     const int key = in ? static_cast<int>(id) : -1;
@@ -186,10 +185,10 @@ __global__ void __launch_bounds__(kBlockThreads) check_rows_kernel(const Finaliz
        i += stride) {
     const std::int32_t row = p.expanded_row_idx[i];
     if (row < -1 || (row == -1 && !p.capacity) || (p.capacity && row >= p.expanded_rows)) {
-      bits |= kStatusRowIndexOutOfRange;
+      bits |= kBitRowIndex;
     }
     if (p.bias && (p.expert_idx[i] < 0 || p.expert_idx[i] >= p.bias_rows)) {
-      bits |= kStatusBiasRowOutOfRange;
+      bits |= kBitBiasRow;
     }
   }
   bits = static_cast<std::int32_t>(__reduce_or_sync(kFullMask, static_cast<unsigned>(bits)));

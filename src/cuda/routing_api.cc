@@ -43,6 +43,10 @@ namespace {
 using moe_reroute::detail::fail;
 using moe_reroute::detail::NamedView;
 
+static_assert(detail::kBitExpertId == kStatusExpertIdOutOfRange);
+static_assert(detail::kBitRowIndex == kStatusRowIndexOutOfRange);
+static_assert(detail::kBitBiasRow == kStatusBiasRowOutOfRange);
+
 // The status word and the workspace, checked by the core as outputs too (not
 // null, overlapping nothing), after the size and alignment CUDA needs.
 struct ContextViews {

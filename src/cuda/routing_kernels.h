@@ -20,6 +20,12 @@
 
 namespace moe_reroute::cuda::detail {
 
+/// Status bits the routing kernels OR into the status word (mirror cuda.h's
+/// StatusBit, which needs the build's export header).
+inline constexpr std::int32_t kBitExpertId = 4;
+inline constexpr std::int32_t kBitRowIndex = 8;
+inline constexpr std::int32_t kBitBiasRow = 16;
+
 /// Bytes of the call's flag at the start of the workspace (16: what follows
 /// stays 16-byte aligned).
 inline constexpr std::size_t kFlagBytes = 16;
