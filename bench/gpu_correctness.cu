@@ -1055,7 +1055,7 @@ FinalizeCase finalize_case(DType dtype, std::int64_t tokens, std::int64_t top_k,
   return c;
 }
 
-// Every mode, dtype (bfloat16 with float32 scales too) and set of optional
+// Every mode, dtype (with float32 scales too) and set of optional
 // inputs, k = 1, T = 0, H from 1 to 7168, against the naive reference's
 // float32 steps bit for bit.
 void finalize_routings(Verdict& v, cudaStream_t stream) {
@@ -1068,7 +1068,7 @@ void finalize_routings(Verdict& v, cudaStream_t stream) {
         c.x2 = c.x1 && (optional & 2);
         c.bias = optional & 4;
         c.scales = optional & 8;
-        if (dtype == DType::kBFloat16 && (optional & 2)) c.scales_dtype = DType::kFloat32;
+        if (optional & 2) c.scales_dtype = DType::kFloat32;
         std::mt19937_64 rng(seed);
         const FinalizeCall call(c, random_rows(c, rng), random_expert_ids(c, rng));
         v.add(describe(c), run(call, stream));
@@ -1077,7 +1077,7 @@ void finalize_routings(Verdict& v, cudaStream_t stream) {
   }
   for (const auto& [tokens, top_k, hidden] :
        {std::tuple{0, 2, 16}, {1, 1, 1}, {32, 8, 7168}, {1000, 1, 5}, {300, 16, 384}}) {
-    for (const DType dtype : {DType::kBFloat16, DType::kFloat32}) {
+    for (const DType dtype : {DType::kFloat16, DType::kBFloat16, DType::kFloat32}) {
       FinalizeCase c = finalize_case(dtype, tokens, top_k, hidden, kFinalizeRowMajor, seed++);
       c.x1 = c.x2 = c.bias = c.scales = true;
       c.scales_dtype = DType::kFloat32;

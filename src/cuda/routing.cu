@@ -285,12 +285,13 @@ cudaError_t launch_finalize_routing(const FinalizeRoutingParams& p, cudaStream_t
   if (pairs == 0) return cudaGetLastError();
   check_rows_kernel<<<std::min(blocks_for(pairs, kBlockThreads), 1024u), kBlockThreads, 0,
                       stream>>>(p);
+  const bool float_scales = p.scales_dtype == FloatKind::kFloat32;
   if (p.dtype == FloatKind::kFloat16) {
-    launch_finalize<Half, Half>(p, stream);
-  } else if (p.dtype == FloatKind::kBFloat16 && p.scales_dtype == FloatKind::kFloat32) {
-    launch_finalize<BFloat16, Float32>(p, stream);
+    float_scales ? launch_finalize<Half, Float32>(p, stream)
+                 : launch_finalize<Half, Half>(p, stream);
   } else if (p.dtype == FloatKind::kBFloat16) {
-    launch_finalize<BFloat16, BFloat16>(p, stream);
+    float_scales ? launch_finalize<BFloat16, Float32>(p, stream)
+                 : launch_finalize<BFloat16, BFloat16>(p, stream);
   } else {
     launch_finalize<Float32, Float32>(p, stream);
   }

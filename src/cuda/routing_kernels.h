@@ -75,8 +75,8 @@ cudaError_t launch_init_routing(const InitRoutingParams& params, cudaStream_t st
 enum class FloatKind { kFloat16, kBFloat16, kFloat32 };
 
 struct FinalizeRoutingParams {
-  FloatKind dtype = FloatKind::kFloat32;  // expanded_x, x1, x2, bias, out
-  FloatKind scales_dtype = FloatKind::kFloat32;
+  FloatKind dtype = FloatKind::kFloat32;         // expanded_x, x1, x2, bias, out
+  FloatKind scales_dtype = FloatKind::kFloat32;  // float32 beside any dtype, or dtype's
   const void* expanded_x = nullptr;
   std::int64_t expanded_rows = 0;  // R, or E * C
   const std::int32_t* expanded_row_idx = nullptr;

@@ -228,10 +228,10 @@ TEST_F(CudaFinalizeRouting, WorkspaceIsTheFlag) {
 }
 
 TEST_F(CudaFinalizeRouting, RefusesWithTheCoreMessages) {
-  inputs_.scales = TensorView(inputs_.scales->data, DType::kFloat32, {3, 2});
+  inputs_.scales = TensorView(inputs_.scales->data, DType::kBFloat16, {3, 2});
   expect_refused(ErrorCode::kUnsupported,
-                 "scales: dtype float32 does not pair with expanded_x's float16 (the same dtype, "
-                 "or float32 with bfloat16)");
+                 "scales: dtype bfloat16 does not pair with expanded_x's float16 (the same dtype, "
+                 "or float32)");
   inputs_.scales = TensorView(inputs_.scales->data, DType::kFloat16, {3, 2});
   inputs_.x1.reset();
   expect_refused(ErrorCode::kInvalidArgument, "x2: needs x1");
