@@ -479,11 +479,8 @@ TEST_F(BadRoutingInput, FinalizeShapesAndDtypes) {
                           "scales: must be 2-D");
   expect_finalize_refused({{"--x1", floats("x1h.npy", {kTokens, kHidden}, "float16")}},
                           "x1: dtype float16 is not expanded_x's float32");
-  expect_finalize_refused({{"--expanded-x", floats("exh.npy", {kTokens * kK, kHidden}, "float16")},
-                           {"--x1", ""},
-                           {"--x2", ""},
-                           {"--bias", ""}},
-                          "scales: dtype float32 does not pair with expanded_x's float16");
+  expect_finalize_refused({{"--scales", floats("scalesh.npy", {kTokens, kK}, "float16")}},
+                          "scales: dtype float16 does not pair with expanded_x's float32");
   expect_finalize_refused({{"--expanded-x", ints("exi.npy", {0}, {kTokens * kK, kHidden})},
                            {"--x1", ""},
                            {"--x2", ""},
