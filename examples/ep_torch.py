@@ -1,8 +1,9 @@
 """An expert-parallel MoE layer with torch.distributed (gloo, CPU).
 
-Dispatch all_to_all_single, moe_re_routing, one toy expert per local expert,
-moe_re_routing_inverse, the return all_to_all_single and the top-k sum at the
-source rank. Rank 0 checks the result bitwise against the same layer computed
+moe_init_routing (the sort by destination), dispatch all_to_all_single,
+moe_re_routing, one toy expert per local expert, moe_re_routing_inverse, the
+return all_to_all_single and moe_finalize_routing (the weighted top-k sum at
+the source rank). Rank 0 checks the result bitwise against the same layer computed
 in one process, prints a per-stage time table and, last, one JSON line.
 
 With --fixed-capacity, each rank receives into a buffer sized for the worst
@@ -30,8 +31,8 @@ import torch.multiprocessing as mp
 
 import moe_reroute
 
-STAGES = ("pack", "exchange_counts", "dispatch_alltoallv", "moe_re_routing", "experts",
-          "moe_re_routing_inverse", "return_alltoallv", "combine", "total")
+STAGES = ("moe_init_routing", "exchange_counts", "dispatch_alltoallv", "moe_re_routing", "experts",
+          "moe_re_routing_inverse", "return_alltoallv", "moe_finalize_routing", "total")
 
 
 def parse_args(argv=None):
@@ -82,27 +83,24 @@ def expert_coefficients(args, num_ranks):
     return ab[0], ab[1]
 
 
-def expert_rows(args, a, b, tokens, scales, weight):
-    """weight * (a * (tokens[:, o % H] * scale) + b), as float32 [n, O]; a and b
-    are [O] (one expert) or [n, O] (one expert per row)."""
+def expert_rows(args, a, b, tokens, scales):
+    """a * (tokens[:, o % H] * scale) + b, as float32 [n, O]; a and b are [O]
+    (one expert) or [n, O] (one expert per row)."""
     source = torch.arange(args.out_hidden) % args.hidden
     x = tokens[:, source].to(torch.float32) * scales[:, None]
-    return weight * (a * x + b)
-
-
-def combine(rows_by_k):
-    """The top-k sum, k = 0, 1, ... in that order, so every caller rounds alike."""
-    out = rows_by_k[0].clone()
-    for rows in rows_by_k[1:]:
-        out += rows
-    return out
+    return a * x + b
 
 
 def reference_output(args, num_ranks, rank, a, b):
-    """The layer output of `rank` in one process, all experts local: [T, O]."""
+    """The layer output of `rank` in one process, all experts local: [T, O],
+    0 + w_0 * y_0 + w_1 * y_1 + ..., each float32 step rounded in that order,
+    as moe_finalize_routing sums."""
     tokens, scales, topk_expert, weight = rank_input(args, num_ranks, rank)
-    return combine([expert_rows(args, a[topk_expert[:, k]], b[topk_expert[:, k]], tokens, scales,
-                                weight[:, k:k + 1]) for k in range(args.topk)])
+    out = torch.zeros(tokens.shape[0], args.out_hidden)
+    for k in range(args.topk):
+        rows = expert_rows(args, a[topk_expert[:, k]], b[topk_expert[:, k]], tokens, scales)
+        out = out + rows * weight[:, k:k + 1]
+    return out
 
 
 def run_layer(args, num_ranks, rank, layer_input, a, b):
@@ -118,17 +116,15 @@ def run_layer(args, num_ranks, rank, layer_input, a, b):
         times[stage] = (now - mark) * 1e3
         mark = now
 
-    # Global expert g = rank * E + e, so a stable sort of the (token, k) pairs by
-    # g orders them by destination rank, then its local expert.
-    flat_expert = topk_expert.reshape(-1)
-    order = torch.argsort(flat_expert, stable=True)
-    send_row = torch.empty_like(order)
-    send_row[order] = torch.arange(order.numel())
-    send_count = torch.bincount(flat_expert, minlength=num_ranks * e_per_rank)
-    send_tokens = tokens[order // topk]
-    send_scales = scales[order // topk]
-    send_weights = weight.reshape(-1)[order].reshape(-1, 1)
-    lap("pack")
+    # Global expert g = rank * E + e, so sorting the (token, k) pairs by g orders
+    # them by destination rank, then its local expert; send_row[t * K + k] is
+    # where pair (t, k) went, which the combine reads back. The weights stay here.
+    init = dict(expert_num=num_ranks * e_per_rank, expert_tokens_count_or_cumsum_flag=2)
+    send_tokens, send_row, send_count, _ = moe_reroute.moe_init_routing(tokens, topk_expert,
+                                                                         **init)
+    send_scales = moe_reroute.moe_init_routing(scales.reshape(-1, 1), topk_expert,
+                                               **init)[0].reshape(-1)
+    lap("moe_init_routing")
 
     recv_count = torch.empty_like(send_count)
     dist.all_to_all_single(recv_count, send_count)
@@ -143,27 +139,23 @@ def run_layer(args, num_ranks, rank, layer_input, a, b):
                 else num_recv)
     recv_tokens = torch.empty(capacity, args.hidden, dtype=torch.int8)
     recv_scales = torch.empty(capacity, dtype=torch.float32)
-    recv_weights = torch.empty(capacity, 1, dtype=torch.float32)
-    for recv, send in ((recv_tokens, send_tokens), (recv_scales, send_scales),
-                       (recv_weights, send_weights)):
+    for recv, send in ((recv_tokens, send_tokens), (recv_scales, send_scales)):
         dist.all_to_all_single(recv[:num_recv], send, output_split_sizes=recv_rows,
                                input_split_sizes=send_rows)
     lap("dispatch_alltoallv")
 
     static = dict(expert_alignment=args.expert_alignment, allow_spare_rows=args.fixed_capacity)
-    permute_tokens, permute_scales, _, segment_end, permute_weights = moe_reroute.moe_re_routing(
-        recv_tokens, recv_count, per_token_scales=recv_scales, expert_topk_weight=recv_weights,
-        expert_token_num_type=0, **static)
+    permute_tokens, permute_scales, _, segment_end, _ = moe_reroute.moe_re_routing(
+        recv_tokens, recv_count, per_token_scales=recv_scales, expert_token_num_type=0, **static)
     lap("moe_re_routing")
 
     # Expert e's rows start where expert e - 1's padded segment ends.
     expert_out = torch.zeros(permute_tokens.shape[0], args.out_hidden, dtype=torch.float32)
     ends = segment_end.tolist()
-    for e, (start, count) in enumerate(zip([0, *ends[:-1]], recv_count.sum(dim=0).tolist())):
-        rows = slice(start, start + count)
+    for e, (first, count) in enumerate(zip([0, *ends[:-1]], recv_count.sum(dim=0).tolist())):
+        rows = slice(first, first + count)
         expert_out[rows] = expert_rows(args, a[rank * e_per_rank + e], b[rank * e_per_rank + e],
-                                       permute_tokens[rows], permute_scales[rows],
-                                       permute_weights[rows])
+                                       permute_tokens[rows], permute_scales[rows])
     lap("experts")
 
     restored, _, _ = moe_reroute.moe_re_routing_inverse(expert_out, recv_count, **static)
@@ -174,8 +166,9 @@ def run_layer(args, num_ranks, rank, layer_input, a, b):
                            input_split_sizes=recv_rows)
     lap("return_alltoallv")
 
-    out = combine(returned[send_row].reshape(-1, topk, args.out_hidden).unbind(dim=1))
-    lap("combine")
+    # Each token's K rows, weighted by its routing weights, summed in order.
+    out = moe_reroute.moe_finalize_routing(returned, send_row, scales=weight, drop_pad_mode=2)
+    lap("moe_finalize_routing")
     times["total"] = (mark - start) * 1e3
     return out, times
 
