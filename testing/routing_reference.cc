@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <utility>
 
 namespace moe_reroute::testing {
@@ -91,10 +92,15 @@ InitReferenceOutputs reference_init_routing(const InitReferenceInputs& in) {
       out.expanded_x[at(to * in.row_bytes + b)] = in.x[at(token * in.row_bytes + b)];
     }
   };
-  std::vector<std::int32_t> counts(at(std::max<std::int64_t>(in.expert_num, 0)), 0);
-  for (const auto& [id, p] : sorted) {
-    if (id < in.expert_num) ++counts[at(id)];
-  }
+  // Each id's count, as E of them only where an output holds them (E may be
+  // far larger than the ids a call has).
+  std::map<std::int64_t, std::int32_t> per_id;
+  for (const auto& [id, p] : sorted) ++per_id[id];
+  const auto counts_of_experts = [&] {
+    std::vector<std::int32_t> counts(at(in.expert_num), 0);
+    for (const auto& [id, count] : per_id) counts[at(id)] = count;
+    return counts;
+  };
   if (in.drop_pad_mode == 0) {
     const std::int64_t rows =
         in.active_num > 0 ? std::min(in.active_num, positions) : positions;
@@ -105,9 +111,9 @@ InitReferenceOutputs reference_init_routing(const InitReferenceInputs& in) {
       if (i < rows) copy_row(i, p / in.top_k);
     }
     if (in.count_or_cumsum_flag != 0) {
-      out.count_or_cumsum = counts;
+      out.count_or_cumsum = counts_of_experts();
       if (in.count_or_cumsum_flag == 1) {
-        for (std::size_t e = 1; e < counts.size(); ++e) {
+        for (std::size_t e = 1; e < out.count_or_cumsum.size(); ++e) {
           out.count_or_cumsum[e] += out.count_or_cumsum[e - 1];
         }
       }
@@ -115,9 +121,9 @@ InitReferenceOutputs reference_init_routing(const InitReferenceInputs& in) {
     return out;
   }
   out.expanded_x.assign(at(in.expert_num * in.expert_capacity * in.row_bytes), std::byte{0});
-  std::vector<std::int64_t> seen(at(in.expert_num), 0);
+  std::map<std::int64_t, std::int64_t> seen;
   for (const auto& [id, p] : sorted) {
-    const std::int64_t c = seen[at(id)]++;
+    const std::int64_t c = seen[id]++;
     if (c < in.expert_capacity) {
       const std::int64_t slot = id * in.expert_capacity + c;
       out.expanded_row_idx[at(p)] = static_cast<std::int32_t>(slot);
@@ -126,7 +132,7 @@ InitReferenceOutputs reference_init_routing(const InitReferenceInputs& in) {
       out.expanded_row_idx[at(p)] = -1;
     }
   }
-  if (in.before_capacity_flag) out.before_capacity = counts;
+  if (in.before_capacity_flag) out.before_capacity = counts_of_experts();
   return out;
 }
 

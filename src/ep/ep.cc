@@ -338,7 +338,7 @@ DispatchResult dispatch(MPI_Comm comm, const DispatchInputs& inputs,
   }
   // Weight 1 without expert_scales: moe_finalize_routing's k comes from its scales.
   handle.weights_.assign(sorted.order.size(), 1.0f);
-  if (inputs.expert_scales) {
+  if (inputs.expert_scales && !handle.weights_.empty()) {  // no pairs: its data may be null
     std::memcpy(handle.weights_.data(), inputs.expert_scales->data, handle.weights_.size() * sizeof(float));
   }
 
@@ -404,12 +404,16 @@ DispatchResult dispatch(MPI_Comm comm, const DispatchInputs& inputs,
   auto* index = static_cast<std::int32_t*>(out.permute_token_idx.data());
   const bool gather = attributes.idx_type == kIdxGather;
   std::fill_n(index, out.permute_token_idx.spec().shape[0], -1);
-  if (!scales) std::memset(recv_base[1], 0, static_cast<std::size_t>(plan->num_padded_rows() * scale_row_bytes));
+  // memset may not take a null pointer even for 0 bytes (an absent or empty part).
+  const auto zero = [](void* at, std::int64_t bytes) {
+    if (bytes > 0) std::memset(at, 0, static_cast<std::size_t>(bytes));
+  };
+  if (!scales) zero(recv_base[1], plan->num_padded_rows() * scale_row_bytes);
   for (const Chunk& chunk : plan->chunks()) {
     if (chunk.src_row == kPadRows) {
       for (int part = 0; part < 3; ++part) {
-        std::memset(static_cast<std::byte*>(recv_base[part]) + chunk.dst_row * part_bytes[part], 0,
-                    static_cast<std::size_t>(chunk.num_rows * part_bytes[part]));
+        zero(static_cast<std::byte*>(recv_base[part]) + chunk.dst_row * part_bytes[part],
+             chunk.num_rows * part_bytes[part]);
       }
       continue;
     }

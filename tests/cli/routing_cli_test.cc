@@ -109,13 +109,13 @@ using Flags = std::vector<std::pair<std::string, std::string>>;
 // removing the flag, where empty) or added, then `extra`.
 std::vector<std::string> command_line(const char* command, Flags flags, const Flags& replace = {},
                                       const std::vector<std::string>& extra = {}) {
-  for (const auto& [flag, value] : replace) {
-    const auto it =
-        std::find_if(flags.begin(), flags.end(), [&](const auto& f) { return f.first == flag; });
+  for (const auto& change : replace) {  // no structured binding: clang 14 cannot capture one
+    const auto it = std::find_if(flags.begin(), flags.end(),
+                                 [&](const auto& f) { return f.first == change.first; });
     if (it == flags.end()) {
-      flags.emplace_back(flag, value);
+      flags.push_back(change);
     } else {
-      it->second = value;
+      it->second = change.second;
     }
   }
   std::vector<std::string> result = {command};

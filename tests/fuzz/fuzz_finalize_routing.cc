@@ -56,7 +56,9 @@ struct FinalizeRouting {
     const std::int64_t experts = draw_size(provider, 4), slots = draw_size(provider, 4);
     // Modes 0 and 2: fewer rows than positions at times (after active_num).
     std::int64_t rows = positions;
-    if (provider.ConsumeBool()) rows -= provider.ConsumeIntegralInRange<std::int64_t>(0, positions);
+    if (positions > 0 && provider.ConsumeBool()) {
+      rows -= provider.ConsumeIntegralInRange<std::int64_t>(0, positions);
+    }
 
     FinalizeRoutingInputs& in = c.inputs;
     in.expanded_x = TensorView(nullptr, dtype,
