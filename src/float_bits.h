@@ -44,12 +44,13 @@ MOE_REROUTE_FLOAT_HD float half_to_float(std::uint16_t h) {
   return float_of(sign | bits);
 }
 
-/// float32 to float16, rounding to nearest, ties to even; a NaN is 0x7e00 signed.
+/// float32 to float16, rounding to nearest, ties to even; a NaN is 0x7e00 (whatever its
+/// sign: which NaN an operation propagates differs between compilers and backends).
 MOE_REROUTE_FLOAT_HD std::uint16_t float_to_half(float value) {
   std::uint32_t x = bits_of(value);
   const auto sign = static_cast<std::uint16_t>((x >> 16) & 0x8000u);
   x &= 0x7fffffffu;
-  if (x > 0x7f800000u) return sign | 0x7e00u;   // NaN
+  if (x > 0x7f800000u) return 0x7e00u;          // NaN
   if (x >= 0x477ff000u) return sign | 0x7c00u;  // 65520 and up round to infinity
   if (x >= 0x38800000u) {                       // normal: rebias, round off 13 bits
     x -= 0x38000000u;
@@ -94,7 +95,10 @@ struct BFloat16 {
 struct Float32 {
   using Storage = float;
   static MOE_REROUTE_FLOAT_HD float load(float value) { return value; }
-  static MOE_REROUTE_FLOAT_HD float store(float value) { return value; }
+  // A NaN is 0x7fc00000, whatever its sign and payload, as for the narrower types.
+  static MOE_REROUTE_FLOAT_HD float store(float value) {
+    return value != value ? float_of(0x7fc00000u) : value;
+  }
 };
 
 }  // namespace moe_reroute::detail

@@ -59,7 +59,7 @@ float float16_to_float(std::uint16_t bits) {
 
 std::uint16_t float16_of(float value) {
   const std::uint16_t sign = std::signbit(value) ? 0x8000 : 0;
-  if (std::isnan(value)) return sign | 0x7e00;
+  if (std::isnan(value)) return 0x7e00;
   const double magnitude = std::fabs(double{value});
   std::uint16_t below = 0;  // the largest magnitude at most `magnitude`, by bisection
   for (std::uint16_t step = 0x4000; step > 0; step >>= 1) {
@@ -159,13 +159,14 @@ float reference_load(FloatType type, const void* data, std::int64_t i) {
 std::vector<std::byte> reference_store(FloatType type, float value) {
   std::vector<std::byte> bytes(type == FloatType::kFloat32 ? 4 : 2);
   if (type == FloatType::kFloat32) {
-    std::memcpy(bytes.data(), &value, 4);
+    const std::uint32_t nan = 0x7fc00000;  // the contract's one NaN
+    std::memcpy(bytes.data(), std::isnan(value) ? static_cast<const void*>(&nan) : &value, 4);
   } else if (type == FloatType::kFloat16) {
 #if defined(__FLT16_MANT_DIG__)
     const auto half = static_cast<_Float16>(value);
     std::memcpy(bytes.data(), &half, 2);
-    if (std::isnan(value)) {  // the contract's one NaN: the sign and 0x7e00, as torch gives it
-      const std::uint16_t nan = static_cast<std::uint16_t>((std::signbit(value) ? 0x8000 : 0) | 0x7e00);
+    if (std::isnan(value)) {  // the contract's one NaN, whatever its sign
+      const std::uint16_t nan = 0x7e00;
       std::memcpy(bytes.data(), &nan, 2);
     }
 #else

@@ -441,7 +441,7 @@ TEST(FinalizeRouting, AnEmptyCallOfLongRowsAllocatesNothing) {
 }
 
 TEST(FinalizeRouting, ANaNBecomesTheOneQuietNaN) {
-  // float16 NaNs of any payload and sign give the sign and 0x7e00; bfloat16 0x7fc0.
+  // NaNs of any payload and sign give float16 0x7e00, bfloat16 0x7fc0, float32 0x7fc00000.
   const std::uint16_t half_nans[] = {0x7d01, 0xfe55, 0x7fff};
   const std::int32_t rows[] = {0, 1, 2};
   std::uint16_t out[3] = {};
@@ -449,7 +449,7 @@ TEST(FinalizeRouting, ANaNBecomesTheOneQuietNaN) {
                         TensorView(rows, DType::kInt32, {3})},
                        {TensorView(out, DType::kFloat16, {3, 1})});
   EXPECT_EQ(out[0], 0x7e00);
-  EXPECT_EQ(out[1], 0xfe00);
+  EXPECT_EQ(out[1], 0x7e00);
   EXPECT_EQ(out[2], 0x7e00);
   for (int i = 0; i < 3; ++i) {
     const std::vector<std::byte> want = testing::reference_store(
@@ -463,6 +463,12 @@ TEST(FinalizeRouting, ANaNBecomesTheOneQuietNaN) {
   EXPECT_EQ(out[0], 0x7fc0);
   EXPECT_EQ(out[1], 0x7fc0);
   EXPECT_EQ(out[2], 0x7fc0);
+  const std::uint32_t float_nans[] = {0x7f800001, 0xffc12345, 0x7fc00000};
+  std::uint32_t float_out[3] = {};
+  moe_finalize_routing({TensorView(float_nans, DType::kFloat32, {3, 1}),
+                        TensorView(rows, DType::kInt32, {3})},
+                       {TensorView(float_out, DType::kFloat32, {3, 1})});
+  for (const std::uint32_t bits : float_out) EXPECT_EQ(bits, 0x7fc00000u);
 }
 
 struct BadFinalize {
