@@ -112,8 +112,9 @@ struct FinalizeRouting {
       if (pick == 30) return expanded_rows;
       if (pick == 29) return -2;
       if (pick == 28 || (capacity && pick < 6)) return -1;
+      // expanded_rows may be a drawn edge value: no `- 1` below zero (overflow).
       return provider.ConsumeIntegralInRange<std::int64_t>(
-          0, std::max<std::int64_t>(expanded_rows - 1, 0));
+          0, expanded_rows > 0 ? expanded_rows - 1 : 0);
     };
     const std::int64_t bias_rows = in.bias && in.bias->shape().ndim >= 1 ? in.bias->shape()[0] : 0;
     const auto draw_id = [&]() -> std::int64_t {
@@ -121,7 +122,7 @@ struct FinalizeRouting {
       if (pick == 31) return draw_edge_value(provider);
       if (pick == 30) return bias_rows;
       return provider.ConsumeIntegralInRange<std::int64_t>(
-          0, std::clamp<std::int64_t>(bias_rows - 1, 0, 64));
+          0, bias_rows > 0 ? std::min<std::int64_t>(bias_rows - 1, 64) : 0);
     };
     const auto indices = [&](TensorView& view, std::size_t input, const auto& draw) {
       if (!small_enough({view.spec}) || view.shape().numel() > kMaxIndices) {
