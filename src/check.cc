@@ -51,7 +51,6 @@ std::vector<NamedView> named_outputs(const RerouteOutputs& outputs) {
 }
 
 std::vector<NamedView> named_outputs(const InverseInputs& inputs, const InverseOutputs& outputs) {
-  const auto given = [](const std::optional<TensorView>& view) { return view ? &*view : nullptr; };
   const TensorView* inputs_of[] = {&inputs.tokens, &inputs.expert_token_num_per_rank,
                                    given(inputs.per_token_scales), given(inputs.expert_topk_weight)};
   const TensorView* views[] = {&outputs.restored_tokens, given(outputs.restored_per_token_scales),

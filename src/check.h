@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -49,6 +50,11 @@ void for_each_count(const TensorView& counts, std::size_t size, const Body& body
   } else {
     each(std::int64_t{});
   }
+}
+
+/// The view of an optional input or output, or null where it is absent.
+inline const TensorView* given(const std::optional<TensorView>& view) {
+  return view ? &*view : nullptr;
 }
 
 /// Throws Error for num_threads < 0 (0: all hardware threads).

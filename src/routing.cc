@@ -94,7 +94,6 @@ std::vector<TensorSpec> specs_of(const std::vector<NamedView>& views) {
   return specs;
 }
 
-const TensorView* given(const std::optional<TensorView>& view) { return view ? &*view : nullptr; }
 
 // check_run_arguments on `op`'s views by name, with `extra` after the outputs.
 template <typename A>
