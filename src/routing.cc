@@ -204,6 +204,8 @@ InitRoutingLayout init_routing_layout(const InitRoutingCall& call, const TensorV
   const InitRoutingAttributes& a = call.attributes;
   const std::int64_t positions = call.num_tokens * call.top_k;
   check_data(expert_idx, "expert_idx");
+  // The ids read once: checked, and kept as int64 for the sort.
+  std::vector<std::int64_t> ids(static_cast<std::size_t>(positions));
   std::int64_t max_id = -1;
   for_each_index(expert_idx, positions, [&](std::int64_t p, std::int64_t id) {
     if (id < 0 || (a.expert_num > 0 && id >= a.expert_num)) {
@@ -212,14 +214,11 @@ InitRoutingLayout init_routing_layout(const InitRoutingCall& call, const TensorV
                (id < 0 ? " is negative" : " is not below expert_num = " + str(a.expert_num)));
     }
     max_id = std::max(max_id, id);
+    ids[static_cast<std::size_t>(p)] = id;
   });
 
   // The stable sort by id: counting, unless the ids spread far past the positions.
-  std::vector<std::int32_t> order(static_cast<std::size_t>(positions));
-  std::vector<std::int64_t> ids(order.size());
-  for_each_index(expert_idx, positions, [&](std::int64_t p, std::int64_t id) {
-    ids[static_cast<std::size_t>(p)] = id;
-  });
+  std::vector<std::int32_t> order(ids.size());
   const std::int64_t most_buckets = 2 * positions + 4096;
   const std::int64_t span = a.expert_num > 0 ? a.expert_num : max_id;  // max_id + 1 may overflow
   if (span <= most_buckets) {
