@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 
-from . import _bridge, _core, _numpy
+from . import _bridge, _core, _numpy, ep
 from ._core import __version__
 
 # The torch operators exist where the package was built against a torch.
@@ -27,7 +27,7 @@ else:
     _torch = None
     _TENSOR = ()  # isinstance(x, ()) is False: nothing goes to the torch operators
 
-__all__ = ["__version__", "cpu_output_cache_bytes", "cuda_check", "dtype_table",
+__all__ = ["__version__", "cpu_output_cache_bytes", "cuda_check", "dtype_table", "ep",
            "moe_finalize_routing", "moe_init_routing", "moe_re_routing",
            "moe_re_routing_inverse", "set_cpu_output_cache_limit", "set_cuda_status_check"]
 
