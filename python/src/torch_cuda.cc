@@ -71,17 +71,15 @@ std::int64_t dim_or_zero(const Tensor& tensor, std::int64_t d) {
   return tensor.dim() > d ? tensor.size(d) : 0;
 }
 
-// Runs `launch(context)` on the current stream of `call`'s device with a
+// Runs `launch(context)` on the current stream of `device` with `bytes` of
 // workspace from the caching allocator (graph-capturable: no host sync).
 // Under capture, what capture cannot do (make the status word, sync mode's
 // read) is refused before anything is launched.
 template <typename Launch>
-void run_cuda(const Call& call, Launch launch) {
-  const c10::DeviceGuard guard(call.device);
-  const std::size_t bytes = cuda::required_workspace_bytes(dim_or_zero(call.counts, 0),
-                                                           dim_or_zero(call.counts, 1));
-  void* const stream = current_stream(call.device);
-  const Tensor word = status_word(call.device, stream);
+void run_cuda(const c10::Device& device, std::size_t bytes, Launch launch) {
+  const c10::DeviceGuard guard(device);
+  void* const stream = current_stream(device);
+  const Tensor word = status_word(device, stream);
   const bool sync = sync_checks();
   if (sync && cuda::stream_is_capturing(stream)) {
     fail(ErrorCode::kBackend,
@@ -89,9 +87,17 @@ void run_cuda(const Call& call, Launch launch) {
          "cannot happen under CUDA graph capture; capture in \"deferred\" mode");
   }
   const Tensor workspace = at::empty({static_cast<std::int64_t>(bytes)},
-                                     at::TensorOptions().dtype(c10::kByte).device(call.device));
+                                     at::TensorOptions().dtype(c10::kByte).device(device));
   launch(cuda::DeviceContext{stream, word.data_ptr<std::int32_t>(), workspace.data_ptr(), bytes});
   if (sync) check_status(word);
+}
+
+// moe_re_routing and its inverse, whose workspace depends on the counts' shape.
+template <typename Launch>
+void run_cuda(const Call& call, Launch launch) {
+  run_cuda(call.device,
+           cuda::required_workspace_bytes(dim_or_zero(call.counts, 0), dim_or_zero(call.counts, 1)),
+           launch);
 }
 
 // Every device's status word, refused under capture (a host sync each).
@@ -127,7 +133,21 @@ void check_devices() {
          cuda::moe_re_routing_inverse(inputs, outputs, attributes, context);
        });
      },
-     check_devices});
+     check_devices,
+     [](const c10::Device& device, const InitRoutingInputs& inputs,
+        const InitRoutingOutputs& outputs, const InitRoutingAttributes& attributes) {
+       run_cuda(device, cuda::init_routing_workspace_bytes(inputs, attributes),
+                [&](const cuda::DeviceContext& context) {
+                  cuda::moe_init_routing(inputs, outputs, attributes, context);
+                });
+     },
+     [](const c10::Device& device, const FinalizeRoutingInputs& inputs,
+        const FinalizeRoutingOutputs& outputs, const FinalizeRoutingAttributes& attributes) {
+       run_cuda(device, cuda::finalize_routing_workspace_bytes(inputs, attributes),
+                [&](const cuda::DeviceContext& context) {
+                  cuda::moe_finalize_routing(inputs, outputs, attributes, context);
+                });
+     }});
 
 }  // namespace
 }  // namespace moe_reroute::torch_ops

@@ -334,8 +334,8 @@ TORCH_LIBRARY(moe_reroute, m) {
 }
 
 // The routing operators' kernel, for both keys: it refuses a device without
-// a backend run naming the input (CUDA, for now), where an unregistered key
-// would only name the key.
+// a backend run naming the input, where an unregistered key would only name
+// the key.
 TORCH_LIBRARY_IMPL(moe_reroute, CPU, m) {
   m.impl("moe_re_routing", &ops::reroute);
   m.impl("moe_re_routing_out", &ops::reroute_out);

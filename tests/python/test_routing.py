@@ -101,13 +101,27 @@ def finalize_reference(expanded_x, expanded_row_idx, x1=None, x2=None, bias=None
 # ---- init ----
 
 
+# The torch operators on a CUDA device too, where there is one.
+DEVICE_FRAMEWORKS = FRAMEWORKS + (("cuda",) if torch is not None and torch.cuda.is_available()
+                                  else ())
+
+
 def to_framework(framework, array):
     """`array` as a tensor of its dtype for torch (by its bytes: torch takes
-    no ml_dtypes array)."""
+    no ml_dtypes array), on the GPU for "cuda"."""
     if framework == "numpy":
         return array
     flat = torch.from_numpy(np.ascontiguousarray(array).view(np.uint8).reshape(-1))
-    return flat.view(getattr(torch, array.dtype.name)).reshape(array.shape)
+    tensor = flat.view(getattr(torch, array.dtype.name)).reshape(array.shape)
+    return tensor.cuda() if framework == "cuda" else tensor
+
+
+def from_device(framework, result):
+    """A CUDA call's outputs back in CPU memory, checking they were on the GPU."""
+    if framework != "cuda":
+        return result
+    assert all(r.is_cuda for r in result)
+    return tuple(r.cpu() for r in result)
 
 
 def random_ids(rng, num_tokens, top_k, num_experts, skewed):
@@ -141,7 +155,7 @@ def init_cases(rng):
     return cases
 
 
-INIT_TOKEN_CASES = [(framework, case) for framework in FRAMEWORKS for case in TOKEN_CASES
+INIT_TOKEN_CASES = [(framework, case) for framework in DEVICE_FRAMEWORKS for case in TOKEN_CASES
                     if case.tokens_dtype is None and case.dtype(framework) is not None]
 
 
@@ -155,9 +169,12 @@ def test_init_routing_matches_the_reference(framework, case):
                                dtype=np.uint8)
         x = to_framework(framework, x_bytes).view(case.dtype(framework))
         num_experts = max(attributes["expert_num"], 1)
+        if framework == "cuda":  # the CUDA backend needs expert_num >= 1
+            attributes = dict(attributes, expert_num=num_experts)
         ids = random_ids(rng, num_tokens, top_k, num_experts, skewed).astype(
             np.int64 if int64_ids else np.int32)
-        result = moe_reroute.moe_init_routing(x, to_framework(framework, ids), **attributes)
+        result = from_device(framework, moe_reroute.moe_init_routing(
+            x, to_framework(framework, ids), **attributes))
         expected = init_reference(x_bytes, ids, **attributes)
         assert all(isinstance(r, array_type(framework)) for r in result)
         expanded = result[0]
@@ -243,7 +260,7 @@ def framework_arguments(framework, arguments):
             for k, v in arguments.items()}
 
 
-@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("framework", DEVICE_FRAMEWORKS)
 @pytest.mark.parametrize("mode", range(4))
 @pytest.mark.parametrize(("dtype", "scales_dtype"), FINALIZE_DTYPES,
                          ids=["float16", "bfloat16", "float32", "bfloat16-float32-scales",
@@ -256,8 +273,8 @@ def test_finalize_routing_matches_the_reference(framework, mode, dtype, scales_d
         top_k = [1, 2, 4][index % 3]
         arguments = finalize_inputs(rng, mode, dtype, scales_dtype, form, num_tokens, top_k)
         given = framework_arguments(framework, arguments)
-        out = moe_reroute.moe_finalize_routing(given.pop("expanded_x"),
-                                               given.pop("expanded_row_idx"), **given)
+        out, = from_device(framework, (moe_reroute.moe_finalize_routing(
+            given.pop("expanded_x"), given.pop("expanded_row_idx"), **given),))
         expected = finalize_reference(**arguments)
         assert isinstance(out, array_type(framework))
         assert tuple(out.shape) == expected.shape
@@ -554,13 +571,13 @@ def test_an_input_on_another_device_is_named():
 
 @needs_torch
 @pytest.mark.skipif(torch is None or not torch.cuda.is_available(), reason="no CUDA device")
-def test_cuda_tensors_are_refused_by_name():
+def test_cuda_inputs_on_two_devices_are_refused_by_name():
     x = torch.ones(T, H, dtype=torch.float16, device="cuda")
     ids = torch.zeros(T, K, dtype=torch.int32, device="cuda")
-    with pytest.raises(ValueError, match="^x: must be in CPU memory .moe_init_routing has no CUDA"):
-        OPS.moe_init_routing(x, ids)
     with pytest.raises(ValueError, match="^expert_idx: must be in CPU memory like x$"):
         OPS.moe_init_routing(x.cpu(), ids)
+    with pytest.raises(ValueError, match="^expert_num: must be >= 1 for the CUDA backend"):
+        OPS.moe_init_routing(x, ids)
 
 
 def pipeline(x, ids, scales):
