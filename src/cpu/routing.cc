@@ -44,6 +44,19 @@ const typename T::Storage* elements(const std::optional<TensorView>& view) {
   return view ? elements<T>(*view) : nullptr;
 }
 
+// y[h] += (v[h] + b[h]) * scale for h < count, each step rounded on its own.
+template <typename T, bool kBias, bool kScales>
+inline void accumulate(float* __restrict y, const typename T::Storage* __restrict v,
+                       [[maybe_unused]] const typename T::Storage* __restrict b,
+                       [[maybe_unused]] float scale, std::int64_t count) {
+  for (std::int64_t h = 0; h < count; ++h) {
+    float value = T::load(v[h]);
+    if constexpr (kBias) value = value + T::load(b[h]);
+    if constexpr (kScales) value = value * scale;
+    y[h] = y[h] + value;
+  }
+}
+
 // Tokens [begin, end) of a finalize call whose expanded rows are T and scales S.
 template <typename T, typename S, bool kBias, bool kScales>
 void finalize_tokens(const FinalizeRoutingCall& call, const FinalizeRoutingInputs& inputs,
@@ -62,6 +75,14 @@ void finalize_tokens(const FinalizeRoutingCall& call, const FinalizeRoutingInput
                                       : nullptr;
   auto* out = static_cast<typename T::Storage*>(outputs.out.data);
   float* const y = sum.data();
+  // The row pair (t, j) reads; null where it is skipped (dropped, or past active_num).
+  const auto row_of = [&](std::int64_t t, std::int64_t j) -> const typename T::Storage* {
+    const std::int64_t row = row_idx[row_major ? t * k + j : j * tokens + t];
+    return row < 0 || row >= call.expanded_rows ? nullptr : expanded + row * hidden;
+  };
+  // Rows are scattered: the hardware prefetchers stop at each page, so the
+  // next row is prefetched a cache line for each line of this one.
+  constexpr std::int64_t kLine = 64 / sizeof(typename T::Storage);
   for (std::int64_t t = begin; t < end; ++t) {
     const std::int64_t at = t * hidden;
     if (x1 && x2) {
@@ -72,19 +93,20 @@ void finalize_tokens(const FinalizeRoutingCall& call, const FinalizeRoutingInput
       std::fill_n(y, hidden, 0.0f);
     }
     for (std::int64_t j = 0; j < k; ++j) {
-      const std::int64_t row = row_idx[row_major ? t * k + j : j * tokens + t];
-      if (row < 0 || row >= call.expanded_rows) continue;  // dropped, or past active_num
-      const auto* v = expanded + row * hidden;
+      const auto* v = row_of(t, j);
+      if (v == nullptr) continue;
+      const auto* next = j + 1 < k ? row_of(t, j + 1) : t + 1 < end ? row_of(t + 1, 0) : nullptr;
+      if (next == nullptr) next = v;
       [[maybe_unused]] const typename T::Storage* b = nullptr;
       if constexpr (kBias) b = bias + std::int64_t{ids[t * k + j]} * hidden;
       [[maybe_unused]] float scale = 1.0f;
       if constexpr (kScales) scale = S::load(scales[t * k + j]);
-      for (std::int64_t h = 0; h < hidden; ++h) {
-        float value = T::load(v[h]);
-        if constexpr (kBias) value = value + T::load(b[h]);
-        if constexpr (kScales) value = value * scale;
-        y[h] = y[h] + value;
+      std::int64_t line = 0;
+      for (; line + kLine <= hidden; line += kLine) {
+        __builtin_prefetch(next + line);
+        accumulate<T, kBias, kScales>(y + line, v + line, kBias ? b + line : b, scale, kLine);
       }
+      accumulate<T, kBias, kScales>(y + line, v + line, kBias ? b + line : b, scale, hidden - line);
     }
     for (std::int64_t h = 0; h < hidden; ++h) out[at + h] = T::store(y[h]);
   }
