@@ -5,7 +5,7 @@
 #include <numeric>
 #include <random>
 
-namespace ep {
+namespace toy {
 namespace {
 
 // A fixed integer hash (splitmix64) so the expert coefficients need no state.
@@ -92,4 +92,4 @@ std::vector<float> reference_output(const LayerConfig& config, const RankInput& 
   return out;
 }
 
-}  // namespace ep
+}  // namespace toy

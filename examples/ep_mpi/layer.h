@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <vector>
 
-namespace ep {
+namespace toy {
 
 struct LayerConfig {
   int num_ranks = 1;         // P
@@ -47,4 +47,4 @@ void expert_row(const LayerConfig& config, int expert, const std::int8_t* token,
 /// y[t][k] = expert_row(topk_expert[t][k], ...). Returns [T, O] float32.
 std::vector<float> reference_output(const LayerConfig& config, const RankInput& input);
 
-}  // namespace ep
+}  // namespace toy
