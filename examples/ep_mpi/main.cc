@@ -68,16 +68,18 @@ mr::ep::DispatchInputs inputs_of(const toy::LayerConfig& c, const toy::RankInput
           .per_token_scales = mr::TensorView(input.scales.data(), mr::DType::kFloat32, {c.tokens_per_rank})};
 }
 
-// The local experts over moe_re_routing's R expert-major rows: expert e's
-// segment starts where expert e - 1's ends (segment_end, cumsum mode), and the
+// The local experts over the R rows of moe_re_routing's expert-major layout
+// (cumsum mode): expert e's segment starts where expert e - 1's ends, and the
 // ranks' counts [P, E] say how many of its rows are valid (the rest pad).
 // Returns [R, O] float32.
-std::vector<float> run_experts(const toy::LayerConfig& c, int rank, std::int64_t num_rows,
-                               const std::int8_t* tokens, const float* scales,
-                               const std::int32_t* segment_end, const std::int32_t* counts) {
+std::vector<float> run_experts(const toy::LayerConfig& c, int rank, const mr::ep::DispatchOutputs& d) {
+  const auto* tokens = static_cast<const std::int8_t*>(d.permute_tokens.data());
+  const auto* scales = static_cast<const float*>(d.permute_per_token_scales.data());
+  const auto* segment_end = static_cast<const std::int32_t*>(d.expert_token_num.data());
+  const auto* counts = static_cast<const std::int32_t*>(d.expert_token_num_per_rank.data());
   const auto hidden = static_cast<std::size_t>(c.hidden);
   const auto out_hidden = static_cast<std::size_t>(c.out_hidden);
-  std::vector<float> out(static_cast<std::size_t>(num_rows) * out_hidden);
+  std::vector<float> out(static_cast<std::size_t>(d.permute_tokens.spec().shape[0]) * out_hidden);
   for (int e = 0; e < c.experts_per_rank; ++e) {
     auto row = static_cast<std::size_t>(e == 0 ? 0 : segment_end[e - 1]);
     std::int64_t valid = 0;
@@ -104,17 +106,12 @@ mr::ep::Tensor run_ep(const Options& options, const toy::RankInput& input, int r
       options.threads);
   laps.lap();
 
-  const mr::ep::DispatchOutputs& d = dispatched.outputs;
-  const std::int64_t num_rows = dispatched.handle.num_rows();
-  const std::vector<float> expert_out = run_experts(
-      c, rank, num_rows, static_cast<const std::int8_t*>(d.permute_tokens.data()),
-      static_cast<const float*>(d.permute_per_token_scales.data()),
-      static_cast<const std::int32_t*>(d.expert_token_num.data()),
-      static_cast<const std::int32_t*>(d.expert_token_num_per_rank.data()));
+  const std::vector<float> expert_out = run_experts(c, rank, dispatched.outputs);
   laps.lap();
 
-  mr::ep::Tensor out = mr::ep::combine({expert_out.data(), mr::DType::kFloat32, {num_rows, c.out_hidden}},
-                                       dispatched.handle, options.threads);
+  mr::ep::Tensor out = mr::ep::combine(
+      {expert_out.data(), mr::DType::kFloat32, {dispatched.handle.num_rows(), c.out_hidden}},
+      dispatched.handle, options.threads);
   laps.lap();
   return out;
 }
@@ -123,143 +120,112 @@ constexpr const char* kBaselineStages[] = {
     "moe_init_routing", "exchange_counts",        "dispatch_alltoallv", "moe_re_routing",
     "experts",          "moe_re_routing_inverse", "return_alltoallv",   "moe_finalize_routing"};
 
-// Per-destination-rank row counts and displacements of one Alltoallv, scaled
-// to elements by `row_elements`.
-struct Exchange {
-  std::vector<int> counts;
-  std::vector<int> displs;
-};
-
-Exchange exchange_of(const std::vector<std::int64_t>& rows_per_rank, std::int64_t row_elements) {
-  Exchange x;
-  int offset = 0;
-  for (const std::int64_t rows : rows_per_rank) {
-    x.counts.push_back(static_cast<int>(rows * row_elements));
-    x.displs.push_back(offset);
-    offset += x.counts.back();
-  }
-  return x;
-}
-
-// Rows per rank from a [P, E] count matrix (row sums).
-std::vector<std::int64_t> rank_totals(const std::vector<std::int32_t>& counts, int num_ranks,
-                                      int experts_per_rank) {
-  std::vector<std::int64_t> totals(static_cast<std::size_t>(num_ranks), 0);
-  for (std::size_t i = 0; i < counts.size(); ++i) totals[i / static_cast<std::size_t>(experts_per_rank)] += counts[i];
-  return totals;
-}
-
-template <typename T>
-void alltoallv(const std::vector<T>& send, const Exchange& send_x, std::vector<T>& recv,
-               const Exchange& recv_x, MPI_Datatype type) {
-  MPI_Alltoallv(send.data(), send_x.counts.data(), send_x.displs.data(), type, recv.data(),
-                recv_x.counts.data(), recv_x.displs.data(), type, MPI_COMM_WORLD);
+// One MPI_Alltoallv of rows of `row_elements` elements: send_rows[r] rows to
+// rank r and recv_rows[r] from it, each rank's rows after the previous rank's.
+void alltoallv(const void* send, const std::vector<int>& send_rows, void* recv,
+               const std::vector<int>& recv_rows, int row_elements, MPI_Datatype element) {
+  std::vector<int> send_displs(send_rows.size()), recv_displs(recv_rows.size());
+  std::exclusive_scan(send_rows.begin(), send_rows.end(), send_displs.begin(), 0);
+  std::exclusive_scan(recv_rows.begin(), recv_rows.end(), recv_displs.begin(), 0);
+  MPI_Datatype row;
+  MPI_Type_contiguous(row_elements, element, &row);
+  MPI_Type_commit(&row);
+  MPI_Alltoallv(send, send_rows.data(), send_displs.data(), row, recv, recv_rows.data(),
+                recv_displs.data(), row, MPI_COMM_WORLD);
+  MPI_Type_free(&row);
 }
 
 // The layer on this rank the three-step way, each row packed, sent and
-// reordered on its own pass; returns its output [T, O].
+// reordered in passes of their own; returns its output [T, O].
 mr::ep::Tensor run_baseline(const Options& options, const toy::RankInput& input, int rank, Laps& laps) {
   const toy::LayerConfig& c = options.config;
   const mr::ep::DispatchInputs in = inputs_of(c, input);
-  const auto num_tokens = static_cast<std::size_t>(c.tokens_per_rank);
-  const auto hidden = static_cast<std::size_t>(c.hidden);
-  const auto out_hidden = static_cast<std::size_t>(c.out_hidden);
-  const auto topk = static_cast<std::size_t>(c.topk);
+  const std::int64_t num_pairs = std::int64_t{c.tokens_per_rank} * c.topk;
 
   // Global expert g = rank * E + e, so sorting the (token, k) pairs by g orders
   // them by destination rank, then its local expert, as the dispatch needs;
   // send_row[t * K + k] is where pair (t, k) went, which the combine reads back.
-  const std::size_t num_send = num_tokens * topk;
-  const auto sends = static_cast<std::int64_t>(num_send);
-  std::vector<std::int8_t> send_tokens(num_send * hidden);
-  std::vector<std::int32_t> send_row(num_send);
+  const mr::ep::Tensor send_tokens({mr::DType::kInt8, {num_pairs, c.hidden}});
+  std::vector<std::int32_t> send_row(static_cast<std::size_t>(num_pairs));
   std::vector<std::int32_t> send_count(static_cast<std::size_t>(c.num_experts()));
-  mr::InitRoutingAttributes init;
-  init.expert_num = c.num_experts();
-  init.expert_tokens_count_or_cumsum_flag = mr::kExpertTokensCount;
   mr::moe_init_routing(
       {.x = in.x, .expert_idx = in.expert_idx},
-      {.expanded_x = {send_tokens.data(), mr::DType::kInt8, {sends, c.hidden}},
-       .expanded_row_idx = {send_row.data(), mr::DType::kInt32, {sends}},
+      {.expanded_x = send_tokens.view(),
+       .expanded_row_idx = {send_row.data(), mr::DType::kInt32, {num_pairs}},
        .expert_tokens_count_or_cumsum = {send_count.data(), mr::DType::kInt32, {c.num_experts()}},
        .expert_tokens_before_capacity = {nullptr, mr::DType::kInt32, {0}}},
-      init, options.threads);
-  std::vector<float> send_scales(num_send);
-  for (std::size_t p = 0; p < num_send; ++p) {
-    send_scales[static_cast<std::size_t>(send_row[p])] = input.scales[p / topk];
+      {.expert_num = c.num_experts(), .expert_tokens_count_or_cumsum_flag = mr::kExpertTokensCount},
+      options.threads);
+  std::vector<float> send_scales(send_row.size());
+  for (std::size_t p = 0; p < send_row.size(); ++p) {
+    send_scales[static_cast<std::size_t>(send_row[p])] = input.scales[p / static_cast<std::size_t>(c.topk)];
   }
   laps.lap();
 
-  std::vector<std::int32_t> recv_count(send_count.size());
-  MPI_Alltoall(send_count.data(), c.experts_per_rank, MPI_INT32_T, recv_count.data(),
-               c.experts_per_rank, MPI_INT32_T, MPI_COMM_WORLD);
+  // What ep::dispatch returns, made here by the exchange and moe_re_routing.
+  mr::ep::DispatchOutputs d;
+  d.expert_token_num_per_rank = mr::ep::Tensor({mr::DType::kInt32, {c.num_ranks, c.experts_per_rank}});
+  auto* recv_count = static_cast<std::int32_t*>(d.expert_token_num_per_rank.data());
+  MPI_Alltoall(send_count.data(), c.experts_per_rank, MPI_INT32_T, recv_count, c.experts_per_rank,
+               MPI_INT32_T, MPI_COMM_WORLD);
   laps.lap();
 
-  const auto send_rows = rank_totals(send_count, c.num_ranks, c.experts_per_rank);
-  const auto recv_rows = rank_totals(recv_count, c.num_ranks, c.experts_per_rank);
+  // Rows to and from each rank: the row sums of the [P, E] counts.
+  std::vector<int> send_rows(static_cast<std::size_t>(c.num_ranks)), recv_rows(send_rows.size());
+  for (std::size_t i = 0; i < send_count.size(); ++i) {
+    send_rows[i / static_cast<std::size_t>(c.experts_per_rank)] += send_count[i];
+    recv_rows[i / static_cast<std::size_t>(c.experts_per_rank)] += recv_count[i];
+  }
   // A: the rows received, or the fixed capacity they land in.
   const std::int64_t num_recv = options.fixed_capacity
                                     ? options.capacity()
                                     : std::accumulate(recv_rows.begin(), recv_rows.end(), std::int64_t{0});
-  const auto recv_size = static_cast<std::size_t>(num_recv);
-  std::vector<std::int8_t> recv_tokens(recv_size * hidden);
-  std::vector<float> recv_scales(recv_size);
-  alltoallv(send_tokens, exchange_of(send_rows, c.hidden), recv_tokens,
-            exchange_of(recv_rows, c.hidden), MPI_INT8_T);
-  alltoallv(send_scales, exchange_of(send_rows, 1), recv_scales, exchange_of(recv_rows, 1), MPI_FLOAT);
+  const mr::ep::Tensor recv_tokens({mr::DType::kInt8, {num_recv, c.hidden}});
+  const mr::ep::Tensor recv_scales({mr::DType::kFloat32, {num_recv}});
+  alltoallv(send_tokens.data(), send_rows, recv_tokens.data(), recv_rows, c.hidden, MPI_INT8_T);
+  alltoallv(send_scales.data(), send_rows, recv_scales.data(), recv_rows, 1, MPI_FLOAT);
   laps.lap();
 
   // ep's attributes (run_ep) for moe_re_routing and its inverse.
   const mr::Attributes attributes{mr::kExpertTokenNumCumsum, mr::kIdxGather,
                                   options.expert_alignment, options.fixed_capacity};
-  const mr::TensorView counts_view(recv_count.data(), mr::DType::kInt32,
-                                   {c.num_ranks, c.experts_per_rank});
-  const mr::RerouteInputs reroute_in{
-      .tokens = {recv_tokens.data(), mr::DType::kInt8, {num_recv, c.hidden}},
-      .expert_token_num_per_rank = counts_view,
-      .per_token_scales = mr::TensorView(recv_scales.data(), mr::DType::kFloat32, {num_recv})};
+  const mr::RerouteInputs reroute_in{.tokens = recv_tokens.view(),
+                                     .expert_token_num_per_rank = d.expert_token_num_per_rank.view(),
+                                     .per_token_scales = recv_scales.view()};
   const mr::Plan plan = mr::plan_reroute(reroute_in, attributes, options.threads);
-  // R output rows: A, plus room for the padding when k > 1.
-  const std::int64_t num_rows = plan.output_specs()[0].shape[0];
-  const auto rows = static_cast<std::size_t>(num_rows);
-  std::vector<std::int8_t> permute_tokens(rows * hidden);
-  std::vector<float> permute_scales(rows);
-  std::vector<std::int32_t> permute_idx(rows);
-  std::vector<std::int32_t> segment_end(static_cast<std::size_t>(c.experts_per_rank));
-  mr::run_reroute(
-      plan, reroute_in,
-      {.permute_tokens = {permute_tokens.data(), mr::DType::kInt8, {num_rows, c.hidden}},
-       .permute_per_token_scales = {permute_scales.data(), mr::DType::kFloat32, {num_rows}},
-       .permute_token_idx = {permute_idx.data(), mr::DType::kInt32, {num_rows}},
-       .expert_token_num = {segment_end.data(), mr::DType::kInt32, {c.experts_per_rank}},
-       .permute_topk_weight = {nullptr, mr::DType::kFloat32, {0}}});
+  const std::vector<mr::TensorSpec>& specs = plan.output_specs();
+  d.permute_tokens = mr::ep::Tensor(specs[0]);
+  d.permute_per_token_scales = mr::ep::Tensor(specs[1]);
+  d.permute_token_idx = mr::ep::Tensor(specs[2]);
+  d.expert_token_num = mr::ep::Tensor(specs[3]);
+  d.permute_topk_weight = mr::ep::Tensor(specs[4]);
+  mr::run_reroute(plan, reroute_in,
+                  {d.permute_tokens.view(), d.permute_per_token_scales.view(), d.permute_token_idx.view(),
+                   d.expert_token_num.view(), d.permute_topk_weight.view()});
   laps.lap();
 
-  std::vector<float> expert_out = run_experts(c, rank, num_rows, permute_tokens.data(), permute_scales.data(),
-                                              segment_end.data(), recv_count.data());
+  const std::vector<float> expert_out = run_experts(c, rank, d);
   laps.lap();
 
-  std::vector<float> restored(recv_size * out_hidden);
-  mr::InverseInputs inverse_in;
-  inverse_in.tokens = {expert_out.data(), mr::DType::kFloat32, {num_rows, c.out_hidden}};
-  inverse_in.expert_token_num_per_rank = counts_view;
-  mr::InverseOutputs inverse_out;
-  inverse_out.restored_tokens = {restored.data(), mr::DType::kFloat32, {num_recv, c.out_hidden}};
-  mr::moe_re_routing_inverse(inverse_in, inverse_out, attributes, options.threads);
+  const auto out_hidden = static_cast<std::size_t>(c.out_hidden);
+  std::vector<float> restored(static_cast<std::size_t>(num_recv) * out_hidden);
+  mr::moe_re_routing_inverse(
+      {.tokens = {expert_out.data(), mr::DType::kFloat32, {specs[0].shape[0], c.out_hidden}},
+       .expert_token_num_per_rank = d.expert_token_num_per_rank.view()},
+      {.restored_tokens = {restored.data(), mr::DType::kFloat32, {num_recv, c.out_hidden}}}, attributes,
+      options.threads);
   laps.lap();
 
-  std::vector<float> returned(num_send * out_hidden);
-  alltoallv(restored, exchange_of(recv_rows, c.out_hidden), returned,
-            exchange_of(send_rows, c.out_hidden), MPI_FLOAT);
+  std::vector<float> returned(send_row.size() * out_hidden);
+  alltoallv(restored.data(), recv_rows, returned.data(), send_rows, c.out_hidden, MPI_FLOAT);
   laps.lap();
 
   // Each token's K expert rows, weighted by its routing weights, summed in order.
   mr::ep::Tensor out({mr::DType::kFloat32, {c.tokens_per_rank, c.out_hidden}});
-  mr::FinalizeRoutingInputs combine{
-      .expanded_x = {returned.data(), mr::DType::kFloat32, {sends, c.out_hidden}},
-      .expanded_row_idx = {send_row.data(), mr::DType::kInt32, {sends}}};
-  combine.scales = in.expert_scales;
-  mr::moe_finalize_routing(combine, {.out = out.view()}, {mr::kFinalizeRowMajor}, options.threads);
+  mr::moe_finalize_routing({.expanded_x = {returned.data(), mr::DType::kFloat32, {num_pairs, c.out_hidden}},
+                            .expanded_row_idx = {send_row.data(), mr::DType::kInt32, {num_pairs}},
+                            .scales = in.expert_scales},
+                           {.out = out.view()}, {mr::kFinalizeRowMajor}, options.threads);
   laps.lap();
   return out;
 }
@@ -324,11 +290,9 @@ std::string check_options(const Options& options) {
            " experts of " + std::to_string(c.num_ranks) + " ranks x --experts-per-rank " +
            std::to_string(c.experts_per_rank);
   }
-  // Every Alltoallv count must fit an int: a rank receives at most P * T * K rows.
-  const std::int64_t max_rows = std::int64_t{c.num_ranks} * c.tokens_per_rank * c.topk;
-  if (options.baseline && max_rows * std::max<std::int64_t>(c.hidden, c.out_hidden) > INT_MAX) {
-    return "--tokens-per-rank: " + std::to_string(c.tokens_per_rank) +
-           " tokens make a --baseline Alltoallv count past INT_MAX";
+  // MPI counts rows in an int: a rank receives at most P * T * K of them.
+  if (std::int64_t{c.num_ranks} * c.tokens_per_rank * c.topk > INT_MAX) {
+    return "--tokens-per-rank: " + std::to_string(c.tokens_per_rank) + " tokens make more than INT_MAX rows";
   }
   return "";
 }
