@@ -1,8 +1,9 @@
 #pragma once
 
-/// The toy MoE layer both the expert-parallel pipeline and its single-process
-/// reference compute: seeded inputs and routing per rank, and one
-/// deterministic float32 map per expert.
+/// The toy MoE layer that both expert-parallel paths (main.cc: moe_reroute::ep,
+/// and --baseline's three steps) and their single-process reference compute:
+/// seeded inputs and routing per rank, and one deterministic float32 map per
+/// expert.
 
 #include <cstdint>
 #include <vector>

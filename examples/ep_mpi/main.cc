@@ -315,7 +315,7 @@ int main(int argc, char** argv) {
   app.add_option("--topk", c.topk, "experts per token")->check(CLI::Range(1, 1024));
   app.add_option("--seed", c.seed, "seed of inputs and routing");
   app.add_option("--repeat", options.repeat, "timed runs of the layer")->check(CLI::Range(1, 100000));
-  app.add_option("--threads", options.threads, "threads per rank for the re-routing (0: all)")->check(CLI::Range(0, 1024));
+  app.add_option("--threads", options.threads, "threads per rank for moe_reroute's calls (0: all)")->check(CLI::Range(0, 1024));
   app.add_flag("--baseline", options.baseline,
                "the three steps ep folds: moe_init_routing, MPI_Alltoallv, moe_re_routing and back");
   app.add_flag("--fixed-capacity", options.fixed_capacity,
