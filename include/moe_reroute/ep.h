@@ -89,6 +89,15 @@ MOE_REROUTE_EP_API DispatchResult dispatch(MPI_Comm comm, const DispatchInputs& 
 MOE_REROUTE_EP_API Tensor combine(const TensorView& expert_out, const Handle& handle,
                                   int num_threads = 0);
 
+/// Collective over `comm`, in place of a dispatch that this rank refused
+/// before it could make its views (a framework adapter's own checks): throws
+/// `error` here and, on every other rank, dispatch's error naming this rank,
+/// as if dispatch had refused it.
+[[noreturn]] MOE_REROUTE_EP_API void refuse_dispatch(MPI_Comm comm, const Error& error);
+
+/// The same in place of a combine after `handle`'s dispatch.
+[[noreturn]] MOE_REROUTE_EP_API void refuse_combine(const Handle& handle, const Error& error);
+
 /// What combine needs of a dispatch: the communicator, the counts both ways,
 /// the sorted order and the weights. Keeps no pointer to the caller's memory.
 class MOE_REROUTE_EP_API Handle {

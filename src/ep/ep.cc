@@ -79,6 +79,18 @@ void agree(MPI_Comm comm, const char* step, const std::optional<Error>& local,
   }
 }
 
+// The values each call's agreement compares; a refusal (refuse_dispatch,
+// refuse_combine) reduces as many, so that its MPI_Allreduce matches.
+constexpr std::size_t kDispatchAgreed = 12;
+constexpr std::size_t kCombineAgreed = 2;
+
+// Joins the agreement of `step` with `error`: throws on every rank.
+[[noreturn]] void refuse(MPI_Comm comm, const char* step, const Error& error,
+                         std::span<const Agreed> agreed) {
+  agree(comm, step, error, agreed);
+  throw error;  // not reached: agree throws the local error
+}
+
 // Owns committed datatypes (one per peer) and frees them.
 class Datatypes {
  public:
@@ -254,7 +266,7 @@ DispatchResult dispatch(MPI_Comm comm, const DispatchInputs& inputs,
   }
   const std::optional<TensorView>& scales = inputs.per_token_scales;
   const Shape& scale_shape = scales ? scales->shape() : Shape{};
-  const Agreed agreed[] = {
+  const Agreed agreed[kDispatchAgreed] = {
       {"num_experts", attributes.num_experts},
       {"x: dtype", static_cast<std::int64_t>(inputs.x.dtype())},
       {"x: H", inputs.x.shape()[1]},
@@ -461,7 +473,7 @@ Tensor combine(const TensorView& expert_out, const Handle& handle, int num_threa
   } catch (const Error& error) {
     local = error;
   }
-  const Agreed agreed[] = {{"expert_out: dtype", static_cast<std::int64_t>(expert_out.dtype())},
+  const Agreed agreed[kCombineAgreed] = {{"expert_out: dtype", static_cast<std::int64_t>(expert_out.dtype())},
                            {"expert_out: H'", shape.ndim == 2 ? shape[1] : 0}};
   agree(comm, "combine", local, agreed);
 
@@ -505,6 +517,16 @@ Tensor combine(const TensorView& expert_out, const Handle& handle, int num_threa
   finalize.expanded_x = expanded.view();
   moe_finalize_routing(finalize, {.out = out.view()}, {kFinalizeRowMajor}, num_threads);
   return out;
+}
+
+void refuse_dispatch(MPI_Comm comm, const Error& error) {
+  const Agreed unused[kDispatchAgreed]{};  // not compared: the refusal decides
+  refuse(comm, "dispatch", error, unused);
+}
+
+void refuse_combine(const Handle& handle, const Error& error) {
+  const Agreed unused[kCombineAgreed]{};
+  refuse(handle.comm(), "combine", error, unused);
 }
 
 }  // namespace moe_reroute::ep
