@@ -8,11 +8,13 @@ MOE_REROUTE_APT_PACKAGES=(
 )
 # The versions tested: what the NumPy tests need, what a build with
 # --no-build-isolation adds, and the pinned torch (its default x86-64 wheel is
-# a CUDA build that also runs on the CPU).
+# a CUDA build that also runs on the CPU), and mpi4py for moe_reroute.ep's MPI
+# tests (its PyPI wheel loads Debian's Open MPI; the NumPy-only venv goes
+# without, where those tests skip).
 MOE_REROUTE_TEST_PACKAGES=("numpy>=1.26" "ml_dtypes>=0.5" "pytest>=8")
 MOE_REROUTE_BUILD_PACKAGES=("nanobind==2.9.2" "scikit-build-core>=0.10")
 MOE_REROUTE_PIP_PACKAGES=(
-  "${MOE_REROUTE_TEST_PACKAGES[@]}" "${MOE_REROUTE_BUILD_PACKAGES[@]}" "torch==2.9.1"
+  "${MOE_REROUTE_TEST_PACKAGES[@]}" "${MOE_REROUTE_BUILD_PACKAGES[@]}" "torch==2.9.1" "mpi4py>=4"
 )
 
 install_apt_deps() {
