@@ -350,6 +350,12 @@ void run_errors(MPI_Comm comm, int rank, int num_ranks) {
   expect_error("expert_scales of int32 on rank 1", rank == 1 ? "expert_scales: must be float32" : refused_by_1,
                [&] { ep::dispatch(comm, int_weights, good, 1); }, rank);
 
+  const mr::Error adapter_error(mr::ErrorCode::kUnsupported, "x: dtype float64 is not supported");
+  expect_error("refuse_dispatch on rank 1", rank == 1 ? "x: dtype float64" : refused_by_1, [&] {
+    if (rank == 1) ep::refuse_dispatch(comm, adapter_error);
+    ep::dispatch(comm, views(c, in), good, 1);
+  }, rank);
+
   // Every pair to expert 0: rank 0 receives N * T * k rows, past a capacity of T * k.
   RankInputs to_zero = in;
   std::fill(to_zero.idx.begin(), to_zero.idx.end(), std::byte{0});
@@ -364,6 +370,12 @@ void run_errors(MPI_Comm comm, int rank, int num_ranks) {
   expect_error("expert_out with a row too many on rank 1",
                rank == 1 ? "expert_out: must be [R, H'] with R = " + std::to_string(rows) : "combine: rank 1 refused its arguments",
                [&] { ep::combine(mr::TensorView(expert_out.data(), mr::DType::kFloat32, {rank == 1 ? rows + 1 : rows, 4}), result.handle, 1); }, rank);
+  const mr::Error combine_error(mr::ErrorCode::kUnsupported, "expert_out: dtype float64 is not supported");
+  expect_error("refuse_combine on rank 0",
+               rank == 0 ? "expert_out: dtype float64" : "combine: rank 0 refused its arguments", [&] {
+    if (rank == 0) ep::refuse_combine(result.handle, combine_error);
+    ep::combine(mr::TensorView(expert_out.data(), mr::DType::kFloat32, {rows, 4}), result.handle, 1);
+  }, rank);
   expect_error("expert_out int8 on all ranks", "expert_out: dtype int8 is not float16, bfloat16 or float32",
                [&] { ep::combine(mr::TensorView(expert_out.data(), mr::DType::kInt8, {rows, 4}), result.handle, 1); }, rank);
   // After every refusal the communicator still works.

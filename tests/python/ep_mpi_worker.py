@@ -50,6 +50,10 @@ def make_case(index, token_case, variant):
     rng = rng_for("case", SIZE, index)
     paired = [None] + [s for s in SCALE_CASES[1:] if pairs(token_case, s)]
     scale_case = paired[index % len(paired)]
+    # float8_e8m0 scales as ml_dtypes' or as uint8 (read as float8_e8m0), in turn.
+    scale_dtype = scale_case and scale_case.numpy_dtype
+    if scale_case and scale_case.dtype_name == "float8_e8m0" and variant % 2:
+        scale_dtype = np.uint8
     routing = ROUTINGS[index % len(ROUTINGS)]
     per_rank = int(rng.integers(1, 4))
     num_experts = per_rank * SIZE
@@ -76,7 +80,7 @@ def make_case(index, token_case, variant):
             shape = (tokens, *scale_case.trailing)
             args["per_token_scales"] = rng.integers(
                 0, 256, (tokens, int(np.prod(shape[1:], dtype=np.int64)) * scale_case.itemsize),
-                np.uint8).view(scale_case.numpy_dtype).reshape(shape)
+                np.uint8).view(scale_dtype).reshape(shape)
         if with_weights:
             args["expert_scales"] = rng.random((tokens, top_k), np.float32)
         ranks.append(args)
@@ -84,7 +88,8 @@ def make_case(index, token_case, variant):
         received = np.bincount(np.concatenate([a["expert_idx"].reshape(-1) // per_rank
                                                for a in ranks]), minlength=SIZE)
         attributes["capacity"] = int(received.max() + rng.integers(0, 4))
-    name = (f"{index}:{token_case.label} scales={scale_case.label if scale_case else None} "
+    name = (f"{index}:{token_case.label} scales={scale_case.label if scale_case else None}"
+            f"{'' if scale_dtype is None else '/' + np.dtype(scale_dtype).name} "
             f"weights={with_weights} idx={idx_dtype.__name__} {routing} E={per_rank} k={top_k} "
             + " ".join(f"{k}={v}" for k, v in attributes.items()))
     return name, ranks, num_experts, attributes, scale_case
