@@ -58,7 +58,8 @@ def dispatch(x, expert_idx, num_experts, group, expert_scales, per_token_scales,
             "expert_token_num_type", expert_token_num_type, int)
         if tokens_dtype is not None:
             tokens_dtype = _bridge.checked("tokens_dtype", tokens_dtype, str)
-        arrays = [None if a is None and optional else _numpy.native(_numpy.check_array(a, name, "x"))
+        arrays = [None if a is None and optional
+                  else _numpy.native(_numpy.check_array(a, name, "x"))
                   for a, name, optional in ((x, "x", False), (expert_idx, "expert_idx", False),
                                             (expert_scales, "expert_scales", True),
                                             (per_token_scales, "per_token_scales", True))]

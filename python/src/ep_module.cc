@@ -49,9 +49,11 @@ ErrorCode code_of(const std::string& name) {
 nb::object owned_array(ep::Tensor& tensor, nb::handle dtype, const Shape& dims) {
   const std::size_t nbytes = static_cast<std::size_t>(tensor.spec().nbytes());
   std::byte* data = tensor.release().release();
-  const nb::capsule owner(data, [](void* bytes) noexcept { delete[] static_cast<std::byte*>(bytes); });
+  const nb::capsule owner(data,
+                          [](void* bytes) noexcept { delete[] static_cast<std::byte*>(bytes); });
   // Not nb::cast, whose move policy would copy the bytes.
-  const nb::object bytes = nb::ndarray<nb::numpy, std::uint8_t, nb::ndim<1>>(data, {nbytes}, owner).cast();
+  const nb::object bytes =
+      nb::ndarray<nb::numpy, std::uint8_t, nb::ndim<1>>(data, {nbytes}, owner).cast();
   nb::list shape;
   for (int d = 0; d < dims.ndim; ++d) shape.append(dims[d]);
   return bytes.attr("view")(dtype).attr("reshape")(nb::tuple(shape));
