@@ -21,6 +21,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 MPIRUN = shutil.which("mpirun")
 HAS_MPI4PY = importlib.util.find_spec("mpi4py") is not None
 HAS_EP = importlib.util.find_spec("moe_reroute._ep") is not None
+TIMEOUT_S = 300  # one launch takes seconds; past this, a rank hangs
 
 
 def python_path() -> str:
@@ -40,11 +41,19 @@ def test_dispatch_and_combine_over_mpi(num_ranks):
                "--mca", "btl_vader_single_copy_mechanism", "none", "-x", "PYTHONPATH",
                "-x", "OMP_NUM_THREADS", "-n", str(num_ranks), sys.executable,
                str(HERE / "ep_mpi_worker.py")]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    lines = result.stdout.splitlines()
+    with subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            # SIGTERM: mpirun ends its ranks on it, which a SIGKILL would orphan.
+            process.terminate()
+            stdout, stderr = process.communicate(timeout=60)
+            pytest.fail(f"mpirun -n {num_ranks} hung for {TIMEOUT_S} s:\n{stdout[-4000:]}{stderr[-4000:]}")
+    lines = stdout.splitlines()
     failed = [line for line in lines if line.startswith("FAIL ")]
-    assert not failed and result.returncode == 0, "\n".join(
-        failed or [result.stdout[-4000:], result.stderr[-4000:]])
+    assert not failed and process.returncode == 0, "\n".join(
+        failed or [stdout[-4000:], stderr[-4000:]])
     passed = [line for line in lines if line.startswith("ok ")]
     assert len(passed) >= 60  # the worker's sweep and refusals all reported
     assert lines[-1] == f"passed {len(passed)} cases on {num_ranks} ranks"
