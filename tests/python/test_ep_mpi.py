@@ -49,7 +49,8 @@ def test_dispatch_and_combine_over_mpi(num_ranks):
             # SIGTERM: mpirun ends its ranks on it, which a SIGKILL would orphan.
             process.terminate()
             stdout, stderr = process.communicate(timeout=60)
-            pytest.fail(f"mpirun -n {num_ranks} hung for {TIMEOUT_S} s:\n{stdout[-4000:]}{stderr[-4000:]}")
+            pytest.fail(f"mpirun -n {num_ranks} hung for {TIMEOUT_S} s:\n"
+                        f"{stdout[-4000:]}{stderr[-4000:]}")
     lines = stdout.splitlines()
     failed = [line for line in lines if line.startswith("FAIL ")]
     assert not failed and process.returncode == 0, "\n".join(
