@@ -36,7 +36,7 @@ def rng_for(*labels) -> np.random.Generator:
     return np.random.default_rng(zlib.crc32("/".join(map(str, labels)).encode()))
 
 
-def routing_ids(rng, routing, rank, tokens, top_k, num_experts, per_rank):
+def routing_ids(rng, routing, tokens, top_k, num_experts, per_rank):
     if routing == "skewed":
         ids = rng.integers(0, num_experts, (tokens, top_k))
         ids[rng.random((tokens, top_k)) < 0.8] = num_experts - 1
@@ -74,7 +74,7 @@ def make_case(index, token_case, variant):
         else:
             x = rng.integers(0, 256, (tokens, columns * element_bytes), np.uint8).view(
                 token_case.numpy_dtype)
-        args = dict(x=x, expert_idx=routing_ids(rng, routing, rank, tokens, top_k, num_experts,
+        args = dict(x=x, expert_idx=routing_ids(rng, routing, tokens, top_k, num_experts,
                                                 per_rank).astype(idx_dtype))
         if scale_case is not None:
             shape = (tokens, *scale_case.trailing)
@@ -95,11 +95,13 @@ def make_case(index, token_case, variant):
     return name, ranks, num_experts, attributes, scale_case
 
 
-def check_equal(what, got, want):
+def mismatch(what, got, want):
+    """None where `got` equals `want` (shape and values), else what differs."""
     got, want = np.asarray(got), np.asarray(want)
-    if got.shape != want.shape or not np.array_equal(got, want):
-        raise AssertionError(f"{what}: got {got.shape} {got.reshape(-1)[:16]}, "
-                             f"expected {want.shape} {want.reshape(-1)[:16]}")
+    if got.shape == want.shape and np.array_equal(got, want):
+        return None
+    return (f"{what}: got {got.dtype}{got.shape} {got.reshape(-1)[:16]}, "
+            f"expected {want.dtype}{want.shape} {want.reshape(-1)[:16]}")
 
 
 def run_case(index, token_case, variant):
@@ -116,27 +118,32 @@ def run_case(index, token_case, variant):
         got = ep.dispatch(**mine, num_experts=num_experts, group=COMM,
                           tokens_dtype=token_case.tokens_dtype, **attributes)
         valid = want.valid_rows
-        num_rows = want.tokens.shape[0]
-        if got.permute_tokens.dtype != mine["x"].dtype or len(got.permute_tokens) != num_rows:
-            return f"permute_tokens: {got.permute_tokens.dtype} {got.permute_tokens.shape}"
-        check_equal("permute_tokens", byte_rows(got.permute_tokens)[:valid], want.tokens[:valid])
-        scales = got.permute_per_token_scales
-        if scale_case is not None and scales.dtype != mine["per_token_scales"].dtype:
-            return f"permute_per_token_scales: dtype {scales.dtype}"
-        check_equal("permute_per_token_scales", byte_rows(scales)[:valid], want.scales[:valid])
-        check_equal("permute_token_idx", got.permute_token_idx,
-                    want.idx.astype(np.int32))
-        check_equal("expert_token_num", got.expert_token_num,
-                    want.expert_token_num.astype(np.int32))
-        if "expert_scales" in mine:
-            check_equal("permute_topk_weight", byte_rows(got.permute_topk_weight.reshape(-1, 1))
-                        [:valid], want.weight[:valid])
-        else:
-            check_equal("permute_topk_weight", got.permute_topk_weight, np.zeros(0, np.float32))
-        check_equal("expert_token_num_per_rank", got.expert_token_num_per_rank, want.counts)
+        scales_dtype = (mine["per_token_scales"].dtype if scale_case is not None
+                        else np.dtype(np.float32))
+        weight = (byte_rows(got.permute_topk_weight.reshape(-1, 1))[:valid]
+                  if "expert_scales" in mine else got.permute_topk_weight)
+        # Only the rows the call writes: tail rows are unwritten.
+        problems = [
+            mismatch("permute_tokens: dtype, rows", (str(got.permute_tokens.dtype),
+                                                     len(got.permute_tokens)),
+                     (str(mine["x"].dtype), len(want.tokens))),
+            mismatch("permute_tokens", byte_rows(got.permute_tokens)[:valid],
+                     want.tokens[:valid]),
+            mismatch("permute_per_token_scales: dtype", str(got.permute_per_token_scales.dtype),
+                     str(scales_dtype)),
+            mismatch("permute_per_token_scales", byte_rows(got.permute_per_token_scales)[:valid],
+                     want.scales[:valid]),
+            mismatch("permute_token_idx", got.permute_token_idx, want.idx.astype(np.int32)),
+            mismatch("expert_token_num", got.expert_token_num,
+                     want.expert_token_num.astype(np.int32)),
+            mismatch("permute_topk_weight", weight, want.weight[:valid] if "expert_scales" in mine
+                     else np.zeros(0, np.float32)),
+            mismatch("expert_token_num_per_rank", got.expert_token_num_per_rank, want.counts),
+        ]
 
         # combine after identity experts: permute_tokens itself where it is a
         # float, else a float32 expert_out of each rank's from the case's seed.
+        # Every rank calls it whatever it found above: it is collective.
         if token_case.label in FLOATS:
             outs = [e.tokens.view(token_case.numpy_dtype) for e in expected]
             expert_out = got.permute_tokens
@@ -146,10 +153,9 @@ def run_case(index, token_case, variant):
             expert_out = outs[RANK]
         combined = ep.combine(expert_out, got.handle)
         want_out = ep_reference.combine(outs, inputs, expected)[RANK]
-        if combined.dtype != want_out.dtype:
-            return f"combine: dtype {combined.dtype}"
-        check_equal("combine", byte_rows(combined), byte_rows(want_out))
-        return None
+        problems += [mismatch("combine: dtype", str(combined.dtype), str(want_out.dtype)),
+                     mismatch("combine", byte_rows(combined), byte_rows(want_out))]
+        return "; ".join(p for p in problems if p) or None
 
     return name, failing
 
@@ -243,8 +249,6 @@ def main() -> int:
     for name, failing in cases:
         try:
             failure = failing()
-        except AssertionError as error:
-            failure = str(error)
         except Exception:  # noqa: BLE001: reported by name, after every case ran
             failure = traceback.format_exc(limit=-2).replace("\n", " | ")
         if failure:
