@@ -55,7 +55,10 @@ def _same_device(name: str, tensor, like, like_name: str):
 def _byte_rows(tensor):
     """[dim 0, bytes per row] uint8 view of a contiguous tensor, as the
     messages and copies take it (gloo has no float8 or float4 types)."""
-    return tensor.view(tensor.shape[0], math.prod(tensor.shape[1:])).view(torch.uint8)
+    shape = (tensor.shape[0], math.prod(tensor.shape[1:]))
+    if tensor.numel() == 0:  # its strides may be any: nothing is read or written
+        return tensor.new_empty((shape[0], shape[1] * tensor.element_size()), dtype=torch.uint8)
+    return tensor.view(shape).view(torch.uint8)
 
 
 def _collective_device(group):
@@ -65,22 +68,31 @@ def _collective_device(group):
     return torch.device("cpu")
 
 
-def _agree(group, step: str, error, agreed) -> None:
+# The values every rank must pass alike, by name; each rank's in this order.
+_DISPATCH_AGREED = (
+    "num_experts", "x: dtype", "x: H", "expert_scales: presence", "per_token_scales: dtype",
+    "per_token_scales: dims", "per_token_scales: dim 1", "per_token_scales: dim 2",
+    "expert_token_num_type", "idx_type", "expert_alignment", "capacity",
+    # Every rank's backward exchanges, or none's.
+    "x: requires grad", "expert_scales: requires grad")
+_COMBINE_AGREED = ("expert_out: dtype", "expert_out: H'", "expert_out: requires grad")
+
+
+def _agree(group, step: str, error, names=(), values=()) -> None:
     """The bounded agreement: one all_reduce MAX over the group in which every
     rank learns the lowest rank whose arguments failed (and its exception
-    type) and whether the `agreed` (name, int) values differ between ranks.
-    Raises on every rank when either happened: the failing rank its own
-    error, the others the same type naming it."""
+    type) and whether the values named `names` differ between ranks (a rank
+    that failed has none). Raises on every rank when either happened: the
+    failing rank its own error, the others the same type naming it."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    n = len(agreed)
+    n = len(names)
     word = [0] * (1 + 2 * n)
     if error is not None:
         kind = next((i for i, t in enumerate(_ERRORS) if isinstance(error, t)), len(_ERRORS) - 1)
         # The maximum is the lowest failing rank; the maxima of value and -value: max and -min.
         word[0] = (size - rank) << 8 | (kind + 1)
     else:
-        for i, (_, value) in enumerate(agreed):
-            word[1 + i], word[1 + n + i] = value, -value
+        word[1:] = [*values, *(-value for value in values)]
     reduced = torch.tensor(word, dtype=torch.int64, device=_collective_device(group))
     dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
     word = reduced.tolist()
@@ -90,7 +102,7 @@ def _agree(group, step: str, error, agreed) -> None:
         raise _ERRORS[(word[0] & 0xFF) - 1](
             f"{step}: rank {size - (word[0] >> 8)} refused its arguments (its error names the "
             "argument); nothing was sent")
-    for i, (name, _) in enumerate(agreed):
+    for i, name in enumerate(names):
         high, low = word[1 + i], -word[1 + n + i]
         if high != low:
             raise ValueError(f"{name} differs across ranks ({low} to {high}); every rank must "
@@ -152,23 +164,14 @@ class _Local:
                 x, expert_idx, expert_num=num_experts,
                 expert_tokens_count_or_cumsum_flag=_COUNT_FLAG)
         scales_shape = () if per_token_scales is None else tuple(per_token_scales.shape)
-        self.agreed = [
-            ("num_experts", num_experts),
-            ("x: dtype", _DTYPE_CODE[specs[0].dtype]),
-            ("x: H", specs[0].shape[1]),
-            ("expert_scales: presence", int(expert_scales is not None)),
-            ("per_token_scales: dtype",
-             -1 if per_token_scales is None else _DTYPE_CODE[specs[1].dtype]),
-            ("per_token_scales: dims", len(scales_shape)),
-            ("per_token_scales: dim 1", scales_shape[1] if len(scales_shape) > 1 else 0),
-            ("per_token_scales: dim 2", scales_shape[2] if len(scales_shape) > 2 else 0),
-            ("expert_token_num_type", attributes.expert_token_num_type),
-            ("idx_type", attributes.idx_type),
-            ("expert_alignment", attributes.expert_alignment),
-            ("capacity", capacity),
-            # Every rank's backward exchanges, or none's: the same grads on each.
-            ("x: requires grad", int(_requires_grad(x))),
-            ("expert_scales: requires grad", int(_requires_grad(expert_scales)))]
+        self.agreed = (  # _DISPATCH_AGREED's values
+            num_experts, _DTYPE_CODE[specs[0].dtype], specs[0].shape[1],
+            int(expert_scales is not None),
+            -1 if per_token_scales is None else _DTYPE_CODE[specs[1].dtype], len(scales_shape),
+            scales_shape[1] if len(scales_shape) > 1 else 0,
+            scales_shape[2] if len(scales_shape) > 2 else 0,
+            attributes.expert_token_num_type, attributes.idx_type, attributes.expert_alignment,
+            capacity, int(_requires_grad(x)), int(_requires_grad(expert_scales)))
         self.x, self.expert_scales, self.per_token_scales = x, expert_scales, per_token_scales
         self.capacity, self.experts, self.top_k = capacity, experts, top_k
 
@@ -251,12 +254,11 @@ class Handle:
                 raise ValueError(f"expert_out: must be [R, H'] with R = {self.num_rows} rows "
                                  f"(dispatch's permute_tokens), got {_spec(expert_out)}")
             _same_device("expert_out", expert_out, self.row_idx, "x")
-            agreed = [("expert_out: dtype", _DTYPE_CODE[_dtype_name(expert_out)]),
-                      ("expert_out: H'", expert_out.shape[1]),
-                      ("expert_out: requires grad", int(_requires_grad(expert_out)))]
+            agreed = (_DTYPE_CODE[_dtype_name(expert_out)], expert_out.shape[1],
+                      int(_requires_grad(expert_out)))
         except Exception as caught:  # every rank hears of it before anything is sent
-            error, agreed = caught, []
-        _agree(self.group, "combine", error, agreed)
+            error, agreed = caught, ()
+        _agree(self.group, "combine", error, _COMBINE_AGREED, agreed)
         return _Combine.apply(expert_out, self.weights, self)
 
     def scales(self, weights):
@@ -276,7 +278,7 @@ def dispatch(x, expert_idx, num_experts, group, expert_scales, per_token_scales,
                        tokens_dtype, expert_alignment, capacity, idx_type, expert_token_num_type)
     except Exception as caught:  # every rank hears of it before anything is sent
         error = caught
-    _agree(group, "dispatch", error, [] if local is None else local.agreed)
+    _agree(group, "dispatch", error, _DISPATCH_AGREED, () if local is None else local.agreed)
 
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     counts = torch.empty_like(local.sent)
@@ -300,7 +302,7 @@ def dispatch(x, expert_idx, num_experts, group, expert_scales, per_token_scales,
             allow_spare_rows=attributes.allow_spare_rows)
     except Exception as caught:
         error = caught
-    _agree(group, "dispatch", error, [])
+    _agree(group, "dispatch", error)
     handle = Handle(group, local, local.sent.tolist(), received_host, layout[0].shape[0],
                     local.reroute[0].expert_alignment)
     outputs = _Dispatch.apply(local.x, local.expert_scales, handle, local, layout)
@@ -387,6 +389,6 @@ class _Combine(torch.autograd.Function):
             handle.exchange([(_byte_rows(sorted_grad.contiguous()), _byte_rows(grad_expert_out))])
         if ctx.needs_input_grad[1]:
             pair_rows = rows[handle.row_idx.long()].float()
-            grad_weights = (pair_rows.view(handle.num_tokens, handle.top_k, -1)
+            grad_weights = (pair_rows.view(handle.num_tokens, handle.top_k, rows.shape[1])
                             * grad_out.float()[:, None, :]).sum(dim=-1)
         return grad_expert_out, grad_weights, None
