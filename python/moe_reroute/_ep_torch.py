@@ -284,7 +284,9 @@ def dispatch(x, expert_idx, num_experts, group, expert_scales, per_token_scales,
     counts = torch.empty_like(local.sent)
     dist.all_to_all_single(counts, local.sent, group=group)
     received = counts.view(size, local.experts)
-    received_host = received.cpu().numpy().astype(np.int64)  # the one host synchronisation
+    # Both counts on the host at once: on CUDA the one synchronisation of a dispatch.
+    host = torch.cat((local.sent, counts)).cpu().numpy().astype(np.int64)
+    sent, received_host = host[:counts.numel()], host[counts.numel():].reshape(size, local.experts)
     # The receiver's index and expert_token_num are moe_re_routing's for these
     # counts, whatever the rows hold: its call on one byte a row gives them.
     num_received = int(received_host.sum())
@@ -303,10 +305,10 @@ def dispatch(x, expert_idx, num_experts, group, expert_scales, per_token_scales,
     except Exception as caught:
         error = caught
     _agree(group, "dispatch", error)
-    handle = Handle(group, local, local.sent.tolist(), received_host, layout[0].shape[0],
+    handle = Handle(group, local, sent.tolist(), received_host, layout[0].shape[0],
                     local.reroute[0].expert_alignment)
     outputs = _Dispatch.apply(local.x, local.expert_scales, handle, local, layout)
-    return DispatchResult(*outputs[:5], received, handle)
+    return DispatchResult(*outputs, received, handle)
 
 
 class _Dispatch(torch.autograd.Function):
