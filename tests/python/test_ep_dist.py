@@ -39,7 +39,9 @@ TIMEOUT_S = 600  # a launch's whole run: torch's import per rank takes seconds o
 CASE_TIMEOUT_S = 90  # a rank stuck this long in one case prints its stack and exits
 NUMPY_FLOAT = {torch.float16: np.float16, torch.bfloat16: ml_dtypes.bfloat16,
                torch.float32: np.float32}
-CANONICAL_NAN = {2: 0x7E00, 4: 0x7FC00000}  # float16's; bfloat16's is 0x7fc0 (below)
+# The one NaN moe_finalize_routing writes, by dtype.
+CANONICAL_NAN = {np.dtype(np.float16): 0x7E00, np.dtype(ml_dtypes.bfloat16): 0x7FC0,
+                 np.dtype(np.float32): 0x7FC00000}
 
 
 @pytest.mark.parametrize("num_ranks", [2, 3, 4])
@@ -119,8 +121,7 @@ def to_numpy(tensor) -> np.ndarray:
 def float_bits(array: np.ndarray) -> np.ndarray:
     """The bits of a float array with every NaN the one NaN moe_finalize_routing writes."""
     bits = array.view({2: np.uint16, 4: np.uint32}[array.itemsize]).copy()
-    nan = 0x7FC0 if array.dtype == ml_dtypes.bfloat16 else CANONICAL_NAN[array.itemsize]
-    bits[np.isnan(array.astype(np.float32))] = nan
+    bits[np.isnan(array.astype(np.float32))] = CANONICAL_NAN[array.dtype]
     return bits
 
 
@@ -168,14 +169,14 @@ def check_dispatch(result, want, tensors):
     np.testing.assert_array_equal(result.expert_token_num_per_rank.numpy(), want.counts)
 
 
-def dispatch_and_combine(setup, rank, num_ranks, rng, out_dtype, out_hidden, **attributes):
+def dispatch_and_combine(setup, rank, rng, out_dtype, out_hidden, group=None, **attributes):
     """A dispatch, then a combine of random expert outputs (every rank's from
-    the seed); checks both."""
+    the seed); checks both. `rank` is the rank in `group`."""
     from moe_reroute import ep
     wanted = setup.expected(**attributes)
     expert_outs = [random_floats(rng, (w.tokens.shape[0], out_hidden), out_dtype) for w in wanted]
     tensors = setup.tensors[rank]
-    result = ep.dispatch(num_experts=setup.num_experts, **tensors, **attributes)
+    result = ep.dispatch(num_experts=setup.num_experts, group=group, **tensors, **attributes)
     out = ep.combine(expert_outs[rank], result.handle)
     check_dispatch(result, wanted[rank], tensors)
     want = ep_reference.combine([to_numpy(e) for e in expert_outs], setup.ranks, wanted)[rank]
@@ -226,7 +227,7 @@ def sweep_cases(num_ranks):
                 if i % 3 == 2:  # static shapes: capacity past the most any rank receives
                     most = max(w.valid_rows for w in setup.expected())
                     attributes.update(expert_alignment=3, capacity=most + int(rng.integers(0, 3)))
-                dispatch_and_combine(setup, rank, num_ranks, rng,
+                dispatch_and_combine(setup, rank, rng,
                                      (torch.float16, torch.bfloat16, torch.float32)[i % 3],
                                      int(rng.integers(1, 12)), **attributes)
             out.append((label, run))
@@ -241,7 +242,7 @@ def routing_cases(num_ranks):
         rng = cases.seeded("nothing to the last rank", str(num_ranks))
         route = np.array([1.0] * (2 * num_ranks - 2) + [0.0, 0.0])
         setup = Setup(rng, num_ranks, route=route / route.sum(), weights=True)
-        dispatch_and_combine(setup, rank, num_ranks, rng, torch.bfloat16, 5)
+        dispatch_and_combine(setup, rank, rng, torch.bfloat16, 5)
 
     def skewed(rank, num_ranks):
         rng = cases.seeded("skewed", str(num_ranks))
@@ -249,12 +250,12 @@ def routing_cases(num_ranks):
         route[[0, 4]] = [0.9, 0.1]
         setup = Setup(rng, num_ranks, experts=3, top_k=3, tokens=[9] * num_ranks,
                       route=route, weights=True, token_case=cases.TOKEN_CASES[1])
-        dispatch_and_combine(setup, rank, num_ranks, rng, torch.float16, 3, expert_alignment=4)
+        dispatch_and_combine(setup, rank, rng, torch.float16, 3, expert_alignment=4)
 
     def no_tokens_anywhere(rank, num_ranks):
         rng = cases.seeded("no tokens anywhere", str(num_ranks))
         setup = Setup(rng, num_ranks, tokens=[0] * num_ranks, weights=True)
-        dispatch_and_combine(setup, rank, num_ranks, rng, torch.float32, 4, capacity=0)
+        dispatch_and_combine(setup, rank, rng, torch.float32, 4, capacity=0)
 
     def one_expert_top1(rank, num_ranks):
         rng = cases.seeded("one expert, k = 1", str(num_ranks))
@@ -274,8 +275,20 @@ def routing_cases(num_ranks):
         most = max(int(w.counts.sum()) for w in setup.expected())
         identity_experts(setup, rank, capacity=most, expert_alignment=2, idx_type=1)
 
+    def subgroup(rank, num_ranks):
+        # Ranks 1 .. N - 1 as a group of their own (its ranks 0 .. N - 2); rank 0 is outside.
+        import torch.distributed as dist
+        group = dist.new_group(list(range(1, num_ranks)))
+        if rank == 0:
+            return
+        rng = cases.seeded("subgroup", str(num_ranks))
+        setup = Setup(rng, num_ranks - 1, weights=True)
+        dispatch_and_combine(setup, rank - 1, rng, torch.float32, 3, group=group,
+                             expert_alignment=2)
+
     return [(f.__name__.replace("_", " "), f) for f in (
-        nothing_to_last, skewed, no_tokens_anywhere, one_expert_top1, wide_rows, capacity_met)]
+        nothing_to_last, skewed, no_tokens_anywhere, one_expert_top1, wide_rows, capacity_met,
+        subgroup)]
 
 
 def autograd_cases(num_ranks):
