@@ -297,32 +297,35 @@ def routing_cases(num_ranks):
 def autograd_cases(num_ranks):
     """Backward passes against loops: dispatch's (a combine without weights,
     and each weight's gradient brought home) and combine's (a dispatch of
-    the gradient times the weights, and each weight's dot product)."""
+    the gradient times the weights, and each weight's dot product); float16
+    without weights (weight 1)."""
     out = []
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         name = str(dtype).removeprefix("torch.")
+        weighted = dtype != torch.float16
 
-        def dispatch_backward(rank, num_ranks, dtype=dtype, name=name):
+        def dispatch_backward(rank, num_ranks, dtype=dtype, name=name, weighted=weighted):
             from moe_reroute import ep
             rng = cases.seeded("dispatch backward", name, str(num_ranks))
-            setup = Setup(rng, num_ranks, experts=2, top_k=3, weights=True)
+            setup = Setup(rng, num_ranks, experts=2, top_k=3, weights=weighted)
             wanted = setup.expected(expert_alignment=2)
             tensors = setup.tensors[rank]
             xs = [random_floats(rng, (len(r.x), tensors["x"].shape[1]), dtype) for r in setup.ranks]
             x = xs[rank].requires_grad_()
-            weights = tensors["expert_scales"].clone().requires_grad_()
+            weights = tensors["expert_scales"].clone().requires_grad_() if weighted else None
             grads = [(random_floats(rng, (w.tokens.shape[0], x.shape[1]), dtype),
                       random_floats(rng, (w.tokens.shape[0],), torch.float32)) for w in wanted]
             result = ep.dispatch(x, tensors["expert_idx"], setup.num_experts, expert_scales=weights,
                                  expert_alignment=2)
-            loss = ((result.permute_tokens.float() * grads[rank][0].float()).sum()
-                    + (result.permute_topk_weight * grads[rank][1]).sum())
+            loss = (result.permute_tokens.float() * grads[rank][0].float()).sum()
+            if weighted:
+                loss = loss + (result.permute_topk_weight * grads[rank][1]).sum()
             loss.backward()
             grad_tokens = [to_numpy(g) for g, _ in grads]
             grad_weights = [g.numpy() for _, g in grads]
             want_x = np.zeros(tuple(x.shape), NUMPY_FLOAT[dtype])
-            want_w = np.zeros(tuple(weights.shape), np.float32)
-            top_k = weights.shape[1]
+            top_k = tensors["expert_idx"].shape[1]
+            want_w = np.zeros((x.shape[0], top_k), np.float32)
             for t in range(x.shape[0]):
                 y = np.zeros(x.shape[1], np.float32)
                 for j in range(top_k):
@@ -331,17 +334,18 @@ def autograd_cases(num_ranks):
                     want_w[t, j] = grad_weights[r][row]
                 want_x[t] = y.astype(NUMPY_FLOAT[dtype])
             assert_same_floats(to_numpy(x.grad), want_x)
-            np.testing.assert_array_equal(weights.grad.numpy(), want_w)
+            if weighted:
+                np.testing.assert_array_equal(weights.grad.numpy(), want_w)
 
-        def combine_backward(rank, num_ranks, dtype=dtype, name=name):
+        def combine_backward(rank, num_ranks, dtype=dtype, name=name, weighted=weighted):
             from moe_reroute import ep
             rng = cases.seeded("combine backward", name, str(num_ranks))
             top_k = 2
-            setup = Setup(rng, num_ranks, experts=2, top_k=top_k, weights=True, tokens=[
+            setup = Setup(rng, num_ranks, experts=2, top_k=top_k, weights=weighted, tokens=[
                 int(rng.integers(0, 9)) for _ in range(num_ranks)])
             wanted = setup.expected(capacity=40, expert_alignment=3)
             tensors = setup.tensors[rank]
-            weights = tensors["expert_scales"].clone().requires_grad_()
+            weights = tensors["expert_scales"].clone().requires_grad_() if weighted else None
             out_hidden = 5
             expert_outs = [random_floats(rng, (w.tokens.shape[0], out_hidden), dtype) for w in wanted]
             grads = [random_floats(rng, (len(r.x), out_hidden), dtype) for r in setup.ranks]
@@ -356,9 +360,11 @@ def autograd_cases(num_ranks):
                 g = to_numpy(grads[s]).astype(np.float32)
                 for p, (r, row) in enumerate(wanted[s].landing):
                     if r == rank:
-                        want_out[row] = (g[p // top_k]
-                                         * inputs.weights.reshape(-1)[p]).astype(np_dtype)
+                        w = inputs.weights.reshape(-1)[p] if weighted else np.float32(1)
+                        want_out[row] = (g[p // top_k] * w).astype(np_dtype)
             assert_same_floats(to_numpy(expert_out.grad), want_out)
+            if not weighted:
+                return
             rows = [to_numpy(e).astype(np.float32) for e in expert_outs]
             g = to_numpy(grads[rank]).astype(np.float32)
             want_w = np.zeros((len(g), top_k), np.float32)
@@ -373,8 +379,9 @@ def autograd_cases(num_ranks):
 
 
 def refused(call, rank, culprits, own_type, own_message, step="dispatch"):
-    """Runs `call` and checks that it raised on this rank: the first culprit
-    rank (and each culprit) its own error, the others naming the first."""
+    """Runs `call` and checks what it raised on this rank: on a culprit rank
+    its own error (own_message), on the others the same type naming the
+    lowest culprit."""
     try:
         call()
     except Exception as error:  # checked below
