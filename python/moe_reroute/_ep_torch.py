@@ -9,7 +9,11 @@ counts (one all_to_all_single of N * E int32) and one batch_isend_irecv with
 a message per non-empty (rank, local expert) block and part (tokens, scales,
 weights). The counts are read on the host to lay out the receive side: on
 CUDA that is one synchronisation per dispatch. A combine costs one agreement
-and one batch of a message per block.
+and one batch of a message per block. The backward passes exchange rows as
+well (dispatch's as a combine, combine's as a dispatch), so every rank must
+run them, as with DeepEP; whether x, expert_scales and expert_out require
+grad is agreed with the arguments, so that every rank's backward moves the
+same parts.
 """
 
 from __future__ import annotations
@@ -139,9 +143,10 @@ class _Local:
                                   _torch._describe(expert_idx, "expert_idx")], init)
         num_tokens, top_k = expert_idx.shape
         if expert_scales is not None:
-            if expert_scales.dtype != torch.float32 or tuple(expert_scales.shape) != (num_tokens, top_k):
-                raise ValueError(f"expert_scales: must be float32 [T, k] = [{num_tokens}, {top_k}], "
-                                 f"got {_spec(expert_scales)}")
+            if (expert_scales.dtype != torch.float32
+                    or tuple(expert_scales.shape) != (num_tokens, top_k)):
+                raise ValueError(f"expert_scales: must be float32 [T, k] = [{num_tokens}, "
+                                 f"{top_k}], got {_spec(expert_scales)}")
             _same_device("expert_scales", expert_scales, x, "x")
         if _requires_grad(x) and x.dtype not in _FLOATS:
             raise TypeError(f"x: requires grad, but only float16, bfloat16 and float32 tokens are "
@@ -200,11 +205,13 @@ class Handle:
         padded = -(-totals // expert_alignment) * expert_alignment
         segment = np.cumsum(padded) - padded
         self.dst = (segment + np.cumsum(received, axis=0) - received).tolist()
-        self.pad_rows = [(int(s + t), int(s + p)) for s, t, p in zip(segment, totals, padded) if p > t]
+        self.pad_rows = [(int(s + t), int(s + p))
+                         for s, t, p in zip(segment, totals, padded) if p > t]
         self.row_idx = local.row_idx  # [T * k] int32: the sorted position of pair t * k + j
         # The pair at each sorted position.
         self.order = torch.empty_like(self.row_idx, dtype=torch.int64)
-        self.order[self.row_idx.long()] = torch.arange(self.row_idx.numel(), device=self.row_idx.device)
+        self.order[self.row_idx.long()] = torch.arange(self.row_idx.numel(),
+                                                       device=self.row_idx.device)
         self.weights = local.expert_scales  # [T, k] float32 or None (weight 1)
 
     def exchange(self, parts, back: bool = False) -> None:
@@ -250,7 +257,8 @@ class Handle:
             if expert_out.dtype not in _FLOATS:
                 raise TypeError(f"expert_out: dtype {_dtype_name(expert_out)} is not float16, "
                                 "bfloat16 or float32")
-            if expert_out.dim() != 2 or expert_out.shape[0] != self.num_rows or expert_out.shape[1] < 1:
+            shape = tuple(expert_out.shape)
+            if len(shape) != 2 or shape[0] != self.num_rows or shape[1] < 1:
                 raise ValueError(f"expert_out: must be [R, H'] with R = {self.num_rows} rows "
                                  f"(dispatch's permute_tokens), got {_spec(expert_out)}")
             _same_device("expert_out", expert_out, self.row_idx, "x")
@@ -329,13 +337,12 @@ class _Dispatch(torch.autograd.Function):
                           _byte_rows(scales_out)))
         if expert_scales is not None:
             weight_out = expert_scales.new_empty((num_rows,))
-            parts.append((_byte_rows(expert_scales.reshape(-1, 1)).index_select(0, order),
-                          _byte_rows(weight_out)))
+            parts.append((_byte_rows(expert_scales.reshape(-1)[order]), _byte_rows(weight_out)))
         handle.exchange(parts)
         for begin, end in handle.pad_rows:
             for _, placed in parts:
                 placed[begin:end] = 0
-        ctx.handle, ctx.dtype = handle, x.dtype
+        ctx.handle = handle
         ctx.mark_non_differentiable(scales_out, layout[2], layout[3])
         if expert_scales is None:
             ctx.mark_non_differentiable(weight_out)
@@ -352,8 +359,7 @@ class _Dispatch(torch.autograd.Function):
             parts.append((_byte_rows(rows), _byte_rows(grad_tokens.contiguous())))
         if needs_weights:
             weights = grad_weight.new_empty((pairs,))
-            parts.append((_byte_rows(weights.view(-1, 1)),
-                          _byte_rows(grad_weight.contiguous().view(-1, 1))))
+            parts.append((_byte_rows(weights), _byte_rows(grad_weight.contiguous())))
         handle.exchange(parts, back=True)
         if needs_x:
             grad_x = moe_finalize_routing(rows, handle.row_idx, scales=handle.scales(None),

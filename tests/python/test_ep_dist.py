@@ -78,7 +78,8 @@ class Setup:
         token_case = token_case or cases.TOKEN_CASES[0]
         self.num_experts = experts * num_ranks
         self.dtype = token_case.torch_dtype
-        tokens = tokens if tokens is not None else [int(rng.integers(0, 13)) for _ in range(num_ranks)]
+        if tokens is None:
+            tokens = [int(rng.integers(0, 13)) for _ in range(num_ranks)]
         element = torch.empty(0, dtype=self.dtype).element_size()
         probabilities = route if route is not None else np.full(self.num_experts,
                                                                 1 / self.num_experts)
@@ -160,8 +161,8 @@ def check_dispatch(result, want, tensors):
     np.testing.assert_array_equal(result.expert_token_num.numpy(), want.expert_token_num)
     if "expert_scales" in tensors:
         assert tuple(result.permute_topk_weight.shape) == (num_rows,)
-        np.testing.assert_array_equal(cases.byte_rows(result.permute_topk_weight.view(-1, 1))[:valid],
-                                      want.weight[:valid])
+        weight = cases.byte_rows(result.permute_topk_weight.view(-1, 1))
+        np.testing.assert_array_equal(weight[:valid], want.weight[:valid])
     else:
         assert tuple(result.permute_topk_weight.shape) == (0,)
     assert result.permute_topk_weight.dtype == torch.float32
@@ -347,7 +348,8 @@ def autograd_cases(num_ranks):
             tensors = setup.tensors[rank]
             weights = tensors["expert_scales"].clone().requires_grad_() if weighted else None
             out_hidden = 5
-            expert_outs = [random_floats(rng, (w.tokens.shape[0], out_hidden), dtype) for w in wanted]
+            expert_outs = [random_floats(rng, (w.tokens.shape[0], out_hidden), dtype)
+                           for w in wanted]
             grads = [random_floats(rng, (len(r.x), out_hidden), dtype) for r in setup.ranks]
             expert_out = expert_outs[rank].clone().requires_grad_()
             result = ep.dispatch(tensors["x"], tensors["expert_idx"], setup.num_experts,
