@@ -478,14 +478,16 @@ def error_cases(num_ranks):
                 TypeError, "x: requires grad, but only float16, bfloat16 and float32 tokens are "
                 "differentiable, got float8_e4m3fn")
 
-    def differs(name, low, high, last_arguments=None, hidden_on=None, grad=False):
-        """The last rank passes another value of an argument every rank must pass alike."""
+    def differs(name, low, high, last_arguments=None, hidden_on=None, last_tensors=None):
+        """The last rank passes another value of an argument every rank must
+        pass alike: `last_arguments`, its tensors changed by `last_tensors`."""
         def run(rank, num_ranks):
             setup = setup_for(name, hidden_on=hidden_on)
             tensors = dict(setup.tensors[rank])
-            arguments = (last_arguments or {}) if rank == last else {}
-            if grad:
-                tensors["x"] = tensors["x"].clone().requires_grad_(rank == last)
+            arguments = {}
+            if rank == last:
+                arguments = last_arguments or {}
+                tensors.update(last_tensors(tensors) if last_tensors else {})
             refused(lambda: ep.dispatch(num_experts=setup.num_experts, **tensors, **arguments),
                     rank, set(range(num_ranks)), ValueError,
                     f"{name} differs across ranks ({low} to {high}); every rank must pass the same")
@@ -531,7 +533,13 @@ def error_cases(num_ranks):
         differs("x: H", 6, 8, hidden_on={last: 8}),
         differs("idx_type", 0, 1, last_arguments=dict(idx_type=1)),
         differs("capacity", -1, 50, last_arguments=dict(capacity=50)),
-        differs("x: requires grad", 0, 1, grad=True)]
+        differs("x: dtype", 0, 8, last_tensors=lambda t: dict(x=t["x"].float())),
+        differs("expert_scales: presence", 0, 1,
+                last_tensors=lambda t: dict(expert_scales=torch.ones(4, 2))),
+        differs("per_token_scales: dtype", -1, 8,
+                last_tensors=lambda t: dict(per_token_scales=torch.ones(4))),
+        differs("x: requires grad", 0, 1,
+                last_tensors=lambda t: dict(x=t["x"].clone().requires_grad_()))]
 
 
 def all_cases(num_ranks):
