@@ -1,19 +1,25 @@
 """An expert-parallel MoE layer with torch.distributed (gloo, CPU).
 
-moe_init_routing (the sort by destination), dispatch all_to_all_single,
-moe_re_routing, one toy expert per local expert, moe_re_routing_inverse, the
-return all_to_all_single and moe_finalize_routing (the weighted top-k sum at
-the source rank). Rank 0 checks the result bitwise against the same layer computed
-in one process, prints a per-stage time table and, last, one JSON line.
+By default the layer is moe_reroute.ep.dispatch (the sort by expert, the
+exchange and moe_re_routing as one call), one toy expert per local expert,
+and moe_reroute.ep.combine (the way back with the weighted top-k sum at the
+source rank). --baseline runs the same layer in the steps it replaces:
+moe_init_routing (the sort by destination), the counts' all_to_all_single,
+the dispatch all_to_all_single, moe_re_routing, the experts,
+moe_re_routing_inverse, the return all_to_all_single and
+moe_finalize_routing. Rank 0 checks the result bitwise against the same layer
+computed in one process, prints a per-stage time table and, last, one JSON
+line.
 
 With --fixed-capacity, each rank receives into a buffer sized for the worst
 case (every token of every rank routed here; static shapes, as under CUDA
-graphs), and moe_re_routing runs on the whole buffer with allow_spare_rows
-and --expert-alignment K, each expert's segment starting at a multiple of K
-(the layout grouped GEMMs want); the experts read their segments from the
-padded cumsum.
+graphs: ep's capacity, or moe_re_routing's allow_spare_rows), and with
+--expert-alignment K each expert's segment starts at a multiple of K (the
+layout grouped GEMMs want); the experts read their segments from the padded
+cumsum.
 
     python examples/ep_torch.py --ranks 4          # torch.multiprocessing
+    python examples/ep_torch.py --ranks 4 --baseline
     python examples/ep_torch.py --ranks 2 --fixed-capacity --expert-alignment 128
     torchrun --nproc-per-node 4 examples/ep_torch.py
 """
@@ -30,9 +36,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import moe_reroute
+import moe_reroute.ep
 
-STAGES = ("moe_init_routing", "exchange_counts", "dispatch_alltoallv", "moe_re_routing", "experts",
-          "moe_re_routing_inverse", "return_alltoallv", "moe_finalize_routing", "total")
+STAGES = {
+    "ep": ("dispatch", "experts", "combine", "total"),
+    "baseline": ("moe_init_routing", "exchange_counts", "dispatch_alltoallv", "moe_re_routing",
+                 "experts", "moe_re_routing_inverse", "return_alltoallv", "moe_finalize_routing",
+                 "total"),
+}
 
 
 def parse_args(argv=None):
@@ -50,7 +61,10 @@ def parse_args(argv=None):
                    help="receive into a worst-case buffer (spare rows allowed)")
     p.add_argument("--expert-alignment", type=int, default=1,
                    help="pad each expert's segment to a multiple of this many rows")
+    p.add_argument("--baseline", action="store_true",
+                   help="the steps moe_reroute.ep replaces instead of dispatch and combine")
     args = p.parse_args(argv)
+    args.mode = "baseline" if args.baseline else "ep"
     for name in ("ranks", "tokens_per_rank", "hidden", "out_hidden", "experts_per_rank", "topk",
                  "repeat", "threads", "expert_alignment"):
         if getattr(args, name) < (0 if name == "tokens_per_rank" else 1):
@@ -103,19 +117,36 @@ def reference_output(args, num_ranks, rank, a, b):
     return out
 
 
-def run_layer(args, num_ranks, rank, layer_input, a, b):
-    """The layer on this rank: returns its output [T, O] and the stage times (ms)."""
+def capacity(args, num_ranks):
+    """The worst case of receive rows: each of every rank's tokens sends min(K, E) rows here."""
+    return num_ranks * args.tokens_per_rank * min(args.topk, args.experts_per_rank)
+
+
+def ep_dispatch(args, num_ranks, layer_input, lap):
+    """moe_reroute.ep's dispatch; returns the permuted tokens and scales, the
+    padded cumsum of the expert segments, the counts [N, E] (row r: what rank
+    r sent) and the way back, combine(expert_out) -> [T, O]."""
     tokens, scales, topk_expert, weight = layer_input
-    e_per_rank, topk = args.experts_per_rank, args.topk
-    times = {}
-    mark = start = time.perf_counter()
+    result = moe_reroute.ep.dispatch(
+        tokens, topk_expert, num_ranks * args.experts_per_rank, expert_scales=weight,
+        per_token_scales=scales, expert_alignment=args.expert_alignment,
+        capacity=capacity(args, num_ranks) if args.fixed_capacity else None,
+        expert_token_num_type=0)
+    lap("dispatch")
 
-    def lap(stage):
-        nonlocal mark
-        now = time.perf_counter()
-        times[stage] = (now - mark) * 1e3
-        mark = now
+    def combine(expert_out):
+        out = moe_reroute.ep.combine(expert_out, result.handle)
+        lap("combine")
+        return out
 
+    return (result.permute_tokens, result.permute_per_token_scales, result.expert_token_num,
+            result.expert_token_num_per_rank, combine)
+
+
+def baseline_dispatch(args, num_ranks, layer_input, lap):
+    """The same as ep_dispatch in the steps it replaces."""
+    tokens, scales, topk_expert, weight = layer_input
+    e_per_rank = args.experts_per_rank
     # Global expert g = rank * E + e, so sorting the (token, k) pairs by g orders
     # them by destination rank, then its local expert; send_row[t * K + k] is
     # where pair (t, k) went, which the combine reads back. The weights stay here.
@@ -134,11 +165,9 @@ def run_layer(args, num_ranks, rank, layer_input, a, b):
     send_rows = send_count.reshape(num_ranks, e_per_rank).sum(dim=1).tolist()
     recv_rows = recv_count.sum(dim=1).tolist()
     num_recv = sum(recv_rows)
-    # The worst case: each of every rank's tokens sends min(K, E) rows here.
-    capacity = (num_ranks * args.tokens_per_rank * min(topk, e_per_rank) if args.fixed_capacity
-                else num_recv)
-    recv_tokens = torch.empty(capacity, args.hidden, dtype=torch.int8)
-    recv_scales = torch.empty(capacity, dtype=torch.float32)
+    num_rows = capacity(args, num_ranks) if args.fixed_capacity else num_recv
+    recv_tokens = torch.empty(num_rows, args.hidden, dtype=torch.int8)
+    recv_scales = torch.empty(num_rows, dtype=torch.float32)
     for recv, send in ((recv_tokens, send_tokens), (recv_scales, send_scales)):
         dist.all_to_all_single(recv[:num_recv], send, output_split_sizes=recv_rows,
                                input_split_sizes=send_rows)
@@ -149,26 +178,47 @@ def run_layer(args, num_ranks, rank, layer_input, a, b):
         recv_tokens, recv_count, per_token_scales=recv_scales, expert_token_num_type=0, **static)
     lap("moe_re_routing")
 
+    def combine(expert_out):
+        restored, _, _ = moe_reroute.moe_re_routing_inverse(expert_out, recv_count, **static)
+        lap("moe_re_routing_inverse")
+        returned = torch.empty(sum(send_rows), args.out_hidden, dtype=torch.float32)
+        dist.all_to_all_single(returned, restored[:num_recv], output_split_sizes=send_rows,
+                               input_split_sizes=recv_rows)
+        lap("return_alltoallv")
+        # Each token's K rows, weighted by its routing weights, summed in order.
+        out = moe_reroute.moe_finalize_routing(returned, send_row, scales=weight, drop_pad_mode=2)
+        lap("moe_finalize_routing")
+        return out
+
+    return permute_tokens, permute_scales, segment_end, recv_count, combine
+
+
+DISPATCH = {"ep": ep_dispatch, "baseline": baseline_dispatch}
+
+
+def run_layer(args, num_ranks, rank, layer_input, a, b):
+    """The layer on this rank: returns its output [T, O] and the stage times (ms)."""
+    times = {}
+    mark = start = time.perf_counter()
+
+    def lap(stage):
+        nonlocal mark
+        now = time.perf_counter()
+        times[stage] = (now - mark) * 1e3
+        mark = now
+
+    permute_tokens, permute_scales, segment_end, counts, combine = DISPATCH[args.mode](
+        args, num_ranks, layer_input, lap)
     # Expert e's rows start where expert e - 1's padded segment ends.
     expert_out = torch.zeros(permute_tokens.shape[0], args.out_hidden, dtype=torch.float32)
     ends = segment_end.tolist()
-    for e, (first, count) in enumerate(zip([0, *ends[:-1]], recv_count.sum(dim=0).tolist())):
+    for e, (first, count) in enumerate(zip([0, *ends[:-1]], counts.sum(dim=0).tolist())):
         rows = slice(first, first + count)
-        expert_out[rows] = expert_rows(args, a[rank * e_per_rank + e], b[rank * e_per_rank + e],
-                                       permute_tokens[rows], permute_scales[rows])
+        g = rank * args.experts_per_rank + e
+        expert_out[rows] = expert_rows(args, a[g], b[g], permute_tokens[rows],
+                                       permute_scales[rows])
     lap("experts")
-
-    restored, _, _ = moe_reroute.moe_re_routing_inverse(expert_out, recv_count, **static)
-    lap("moe_re_routing_inverse")
-
-    returned = torch.empty(sum(send_rows), args.out_hidden, dtype=torch.float32)
-    dist.all_to_all_single(returned, restored[:num_recv], output_split_sizes=send_rows,
-                           input_split_sizes=recv_rows)
-    lap("return_alltoallv")
-
-    # Each token's K rows, weighted by its routing weights, summed in order.
-    out = moe_reroute.moe_finalize_routing(returned, send_row, scales=weight, drop_pad_mode=2)
-    lap("moe_finalize_routing")
+    out = combine(expert_out)
     times["total"] = (mark - start) * 1e3
     return out, times
 
@@ -176,12 +226,15 @@ def run_layer(args, num_ranks, rank, layer_input, a, b):
 def print_times(args, num_ranks, verified, max_times):
     """max_times: [repeat, stages] ms, each the max over ranks."""
     median = max_times.median(dim=0).values
-    print(f"{'stage (max over ranks)':<24} {'median_ms':>10} {'min_ms':>10} {'max_ms':>10}")
-    for s, name in enumerate(STAGES):
+    stages = STAGES[args.mode]
+    print(f"{args.mode + ': stage (max over ranks)':<32} {'median_ms':>10} {'min_ms':>10} "
+          f"{'max_ms':>10}")
+    for s, name in enumerate(stages):
         column = max_times[:, s]
-        print(f"{name:<24} {median[s].item():10.3f} {column.min().item():10.3f} {column.max().item():10.3f}")
-    print(json.dumps({"ranks": num_ranks, "verified": verified, "tokens_per_rank": args.tokens_per_rank,
-                      "times_ms": {name: round(median[s].item(), 4) for s, name in enumerate(STAGES)}}),
+        print(f"{name:<32} {median[s].item():10.3f} {column.min().item():10.3f} {column.max().item():10.3f}")
+    print(json.dumps({"mode": args.mode, "ranks": num_ranks, "verified": verified,
+                      "tokens_per_rank": args.tokens_per_rank,
+                      "times_ms": {name: round(median[s].item(), 4) for s, name in enumerate(stages)}}),
           flush=True)
 
 
@@ -190,11 +243,12 @@ def worker(rank, num_ranks, args):
     torch.set_num_threads(args.threads)
     a, b = expert_coefficients(args, num_ranks)
     layer_input = rank_input(args, num_ranks, rank)
-    times = torch.empty(args.repeat, len(STAGES), dtype=torch.float64)
+    times = torch.empty(args.repeat, len(STAGES[args.mode]), dtype=torch.float64)
     for r in range(args.repeat):
         dist.barrier()
         out, stage_ms = run_layer(args, num_ranks, rank, layer_input, a, b)
-        times[r] = torch.tensor([stage_ms[name] for name in STAGES], dtype=torch.float64)
+        times[r] = torch.tensor([stage_ms[name] for name in STAGES[args.mode]],
+                                dtype=torch.float64)
     dist.reduce(times, dst=0, op=dist.ReduceOp.MAX)
 
     gathered = [torch.empty_like(out) for _ in range(num_ranks)] if rank == 0 else None
