@@ -41,7 +41,6 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import socket
 import statistics
 import subprocess
@@ -55,6 +54,7 @@ import torch.multiprocessing as mp
 
 import moe_reroute
 import moe_reroute.ep
+from peers import cpu_model  # bench/peers.py, beside this file
 
 # tokens a rank, their dtype, whether they carry float32 per-token scales,
 # and the rounds each process times by default.
@@ -268,13 +268,6 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def cpu_model():
-    cpuinfo = pathlib.Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    return names[0] if names else platform.processor() or platform.machine()
 
 
 def one_process(args):
