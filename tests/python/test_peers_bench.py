@@ -61,7 +61,9 @@ def assert_rows(out, table):
         row = re.search(rf"^\| {re.escape(name)} +\|(.*)\|$", section, re.MULTILINE)
         assert row, f"{table}: no row {name!r}"
         figures = [float(cell) for cell in row.group(1).split("|")]
-        assert len(figures) == 4 and all(f > 0 for f in figures), row.group(0)
+        # A time is positive; a ratio to another call's time may print as 0.0
+        # where a descheduled call made that time long (a loaded machine).
+        assert len(figures) == 4 and figures[0] > 0 and min(figures) >= 0, row.group(0)
     return section.splitlines()[1]
 
 
