@@ -1,20 +1,23 @@
 """moe_reroute.ep on torch.distributed (docs/spec.md section 11): the local
-steps in the library's torch operators, the bytes in point-to-point messages
-straight from where they are read to where they are read next, autograd as in
+steps in the library's torch operators, the bytes in messages, autograd as in
 DeepEP. Called by ep.dispatch for any group that is not an mpi4py
 communicator.
 
-Costs per dispatch: two agreements (all_reduce MAX of a few int64), the
-counts (one all_to_all_single of N * E int32) and one batch_isend_irecv with
-a message per non-empty (rank, local expert) block and part (tokens, scales,
-weights). The counts are read on the host to lay out the receive side: on
-CUDA that is one synchronisation per dispatch. A combine costs one agreement
-and one batch of a message per block. The backward passes exchange rows as
-well (dispatch's as a combine, combine's as a dispatch), so every rank must
-run them, as with DeepEP; whether x, expert_scales and expert_out require
-grad is agreed with the arguments, so that every rank's backward moves the
-same parts.
-"""
+Costs per dispatch: one all_gather of each rank's failure word, the values
+every rank must pass alike and its counts (N * E int64), which gives every
+rank the whole count matrix; it is read on the host (on CUDA the one
+synchronisation of a dispatch). Then the rows move one of two ways, picked
+from the count matrix alike on every rank (Handle.by_peer): blocks (the rows
+one rank sends another for one expert) of SMALL_BLOCK_BYTES and more go
+straight into place, one point-to-point message per non-empty block and part
+(tokens, scales, weights), each byte crossing once; smaller ones go as one
+all_to_all_single a part into rows in source-rank order, placed by
+moe_re_routing (back: moe_re_routing_inverse, then the all_to_all_single). A
+combine costs one agreement (an all_gather) and the exchange back. The
+backward passes exchange rows as well (dispatch's as a combine, combine's as
+a dispatch), so every rank must run them, as with DeepEP; whether x,
+expert_scales and expert_out require grad is agreed with the arguments, so
+that every rank's backward moves the same parts."""
 
 from __future__ import annotations
 
@@ -24,7 +27,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import _bridge, _core, _torch, moe_finalize_routing, moe_init_routing, moe_re_routing
+from . import (_bridge, _core, _torch, moe_finalize_routing, moe_init_routing, moe_re_routing,
+               moe_re_routing_inverse)
 from .ep import DispatchResult
 
 _DTYPE_CODE = {row["name"]: code for code, row in enumerate(_bridge.TABLE)}  # the core's DType
@@ -82,35 +86,48 @@ _DISPATCH_AGREED = (
 _COMBINE_AGREED = ("expert_out: dtype", "expert_out: H'", "expert_out: requires grad")
 
 
-def _agree(group, step: str, error, names=(), values=()) -> None:
-    """The bounded agreement: one all_reduce MAX over the group in which every
-    rank learns the lowest rank whose arguments failed (and its exception
-    type) and whether the values named `names` differ between ranks (a rank
-    that failed has none). Raises on every rank when either happened: the
-    failing rank its own error, the others the same type naming it."""
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    n = len(names)
-    word = [0] * (1 + 2 * n)
+def _refuse(step: str, error, failing: int, kind: int) -> None:
+    """Raises on every rank for the lowest failing rank `failing`: this rank's
+    own error where it failed, else an exception of the failing rank's type
+    (`kind`, an index into _ERRORS) naming it."""
     if error is not None:
-        kind = next((i for i, t in enumerate(_ERRORS) if isinstance(error, t)), len(_ERRORS) - 1)
-        # The maximum is the lowest failing rank; the maxima of value and -value: max and -min.
-        word[0] = (size - rank) << 8 | (kind + 1)
+        raise error
+    raise _ERRORS[kind](f"{step}: rank {failing} refused its arguments (its error names the "
+                        "argument); nothing was sent")
+
+
+def _agree(group, step: str, error, names=(), values=(), num_counts=0, counts=None):
+    """The bounded agreement: one all_gather over the group of each rank's
+    failure word (its exception type), the values named `names` (a rank that
+    failed has none) and, for dispatch, its `num_counts` counts (the pairs it
+    sends to each global expert). Raises on every rank when a rank failed or
+    the values differ between ranks (_refuse). Returns every rank's counts,
+    [N, num_counts] int64 on the host: on CUDA one synchronisation."""
+    size = dist.get_world_size(group)
+    device = _collective_device(group)
+    head = [0] * (1 + len(names))
+    if error is not None:
+        head[0] = 1 + next((i for i, t in enumerate(_ERRORS) if isinstance(error, t)),
+                           len(_ERRORS) - 1)
     else:
-        word[1:] = [*values, *(-value for value in values)]
-    reduced = torch.tensor(word, dtype=torch.int64, device=_collective_device(group))
-    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group)
-    word = reduced.tolist()
-    if word[0]:
-        if error is not None:
-            raise error
-        raise _ERRORS[(word[0] & 0xFF) - 1](
-            f"{step}: rank {size - (word[0] >> 8)} refused its arguments (its error names the "
-            "argument); nothing was sent")
+        head[1:] = values
+    row = torch.tensor(head, dtype=torch.int64, device=device)
+    if num_counts:
+        tail = (torch.zeros(num_counts, dtype=torch.int64, device=device) if counts is None
+                else counts.to(device=device, dtype=torch.int64))
+        row = torch.cat((row, tail))
+    gathered = row.new_empty((size * row.numel(),))
+    dist.all_gather_into_tensor(gathered, row, group=group)
+    gathered = gathered.view(size, -1).cpu().numpy()
+    failed = np.flatnonzero(gathered[:, 0])
+    if failed.size:
+        _refuse(step, error, int(failed[0]), int(gathered[failed[0], 0]) - 1)
     for i, name in enumerate(names):
-        high, low = word[1 + i], -word[1 + n + i]
+        low, high = gathered[:, 1 + i].min(), gathered[:, 1 + i].max()
         if high != low:
             raise ValueError(f"{name} differs across ranks ({low} to {high}); every rank must "
                              "pass the same")
+    return gathered[:, 1 + len(names):]
 
 
 def _requires_grad(tensor) -> bool:
@@ -181,32 +198,53 @@ class _Local:
         self.capacity, self.experts, self.top_k = capacity, experts, top_k
 
 
+# The mean bytes of a block (what one rank sends another for one expert, all
+# parts) below which an exchange moves one message per peer and part and
+# places the rows with moe_re_routing (back: moe_re_routing_inverse first):
+# on gloo each message costs about 0.1 ms, a pass over the rows less than
+# that below this size (bench/ep.py, 2 ranks). At and above it each block
+# goes straight into place and each byte crosses once.
+SMALL_BLOCK_BYTES = 128 << 10
+
+
 class Handle:
     """What combine (and the backward passes) need of a dispatch: the group,
     the counts both ways and their offsets, the sorted order of the pairs and
     the weights (expert_scales itself, not a copy, so that combine's autograd
-    reaches it)."""
+    reaches it). `blocks` [N, N, E]: the pairs rank s sends rank r's expert e,
+    every rank's, so that every rank picks the same way to exchange."""
 
-    def __init__(self, group, local: _Local, sent: list, received: np.ndarray, num_rows: int,
-                 expert_alignment: int):
+    def __init__(self, group, local: _Local, blocks: np.ndarray, counts, num_slots: int,
+                 num_rows: int):
         self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self._peers = [r if group is None else dist.get_global_rank(group, r)
                        for r in range(self.size)]
         self.experts, self.top_k = local.experts, local.top_k
         self.num_tokens = local.x.shape[0]
+        self.num_slots = num_slots  # A: the rows received, or capacity
         self.num_rows = num_rows  # R: the rows of permute_tokens, which expert_out must have
-        self.sent = sent  # [N * E]: pairs sent to each global expert, in sorted order
-        self.sent_offset = np.concatenate([[0], np.cumsum(sent)[:-1]]).tolist()
+        self.attributes, self.tokens_dtype = local.reroute
+        sent, received = blocks[self.rank].reshape(-1), blocks[:, self.rank]
+        self.sent = sent.tolist()  # [N * E]: pairs sent to each global expert, in sorted order
+        self.sent_offset = (np.cumsum(sent) - sent).tolist()
         self.received = received.tolist()  # [N][E]: what rank r sent here for local expert e
+        self.sent_by_rank = blocks[self.rank].sum(axis=1).tolist()
+        self.received_by_rank = received.sum(axis=1).tolist()
+        self.num_received = sum(self.received_by_rank)
+        self.counts = counts  # [N, E] int32 on x's device: received, for moe_re_routing
         # moe_re_routing's DstOffset: expert e's segment (padded totals of the
         # experts before it), then the blocks of ranks 0 .. r - 1.
+        alignment = self.attributes.expert_alignment
         totals = received.sum(axis=0)
-        padded = -(-totals // expert_alignment) * expert_alignment
+        padded = -(-totals // alignment) * alignment
         segment = np.cumsum(padded) - padded
         self.dst = (segment + np.cumsum(received, axis=0) - received).tolist()
         self.pad_rows = [(int(s + t), int(s + p))
                          for s, t, p in zip(segment, totals, padded) if p > t]
+        self.num_valid = int(padded.sum())  # rows past it are spare
+        remote = blocks[~np.eye(self.size, dtype=bool)]  # the blocks between two ranks
+        self.block_rows = remote.sum() / max(np.count_nonzero(remote), 1)
         self.row_idx = local.row_idx  # [T * k] int32: the sorted position of pair t * k + j
         # The pair at each sorted position.
         self.order = torch.empty_like(self.row_idx, dtype=torch.int64)
@@ -214,7 +252,12 @@ class Handle:
                                                        device=self.row_idx.device)
         self.weights = local.expert_scales  # [T, k] float32 or None (weight 1)
 
-    def exchange(self, parts, back: bool = False) -> None:
+    def by_peer(self, parts) -> bool:
+        """Whether an exchange of `parts` (byte rows) sends a message per peer
+        rather than per block: its blocks are small. The same on every rank."""
+        return sum(part.shape[1] for part in parts) * self.block_rows < SMALL_BLOCK_BYTES
+
+    def _by_block(self, parts, back: bool = False) -> None:
         """Moves each (rank, expert) block of rows between the sorted pair
         rows at the source and its place at the expert's rank; `parts` are
         (sorted rows [T * k, ..], placed rows [R, ..]) byte-row pairs, all
@@ -242,10 +285,56 @@ class Handle:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
 
-    def returned(self, placed):
-        """The rows of `placed` [R, H'] back at their sorted positions: [T * k, H']."""
-        rows = placed.new_empty((self.num_tokens * self.top_k, *placed.shape[1:]))
-        self.exchange([(_byte_rows(rows), _byte_rows(placed.contiguous()))], back=True)
+    def _by_peer(self, parts, back: bool = False) -> None:
+        """Moves the rows between the sorted pair rows at the source (a
+        peer's contiguous) and the rows received in source-rank order, one
+        all_to_all_single a part; `parts` are (sorted rows [T * k, ..], rows
+        [A, ..]) byte-row pairs. Forward: sorted to received; back: the reverse."""
+        step = -1 if back else 1  # (output, input): (received, sorted), or the reverse
+        sizes = (self.received_by_rank, self.sent_by_rank)[::step]
+        for sorted_rows, ranked in parts:
+            output, source = (ranked[:self.num_received], sorted_rows)[::step]
+            dist.all_to_all_single(output, source, *sizes, group=self.group)
+
+    def place(self, tokens, scales=None, weights=None, tokens_dtype=None) -> tuple:
+        """Dispatch's exchange: the sorted rows [T * k, ..] of tokens (and
+        scales, weights [T * k]) to their rows [R, ..] at the experts' ranks
+        as moe_re_routing places them: pad rows zero, spare rows unwritten.
+        Returns (tokens, scales, weights), None for a part not given."""
+        sources = (tokens, scales, weights)
+        if not self.by_peer([_byte_rows(s) for s in sources if s is not None]):
+            placed = [s if s is None else s.new_empty((self.num_rows, *s.shape[1:]))
+                      for s in sources]
+            parts = [(_byte_rows(s), _byte_rows(p)) for s, p in zip(sources, placed)
+                     if s is not None]
+            self._by_block(parts)
+            for begin, end in self.pad_rows:
+                for _, rows in parts:
+                    rows[begin:end] = 0
+            return tuple(placed)
+        ranked = [s if s is None else s.new_empty((self.num_slots, *s.shape[1:]))
+                  for s in sources]
+        self._by_peer([(_byte_rows(s), _byte_rows(r)) for s, r in zip(sources, ranked)
+                       if s is not None])
+        out = moe_re_routing(ranked[0], self.counts, per_token_scales=ranked[1],
+                             expert_topk_weight=ranked[2], tokens_dtype=tokens_dtype,
+                             expert_alignment=self.attributes.expert_alignment,
+                             allow_spare_rows=self.attributes.allow_spare_rows)
+        return tuple(o if s is not None else None for s, o in zip(sources, (out[0], out[1], out[4])))
+
+    def bring_back(self, placed) -> list:
+        """Combine's exchange: each of `placed` [R, ..] back to the sorted
+        pair rows [T * k, ..] at the source ranks."""
+        rows = [p.new_empty((self.num_tokens * self.top_k, *p.shape[1:])) for p in placed]
+        sources = [_byte_rows(p.contiguous()) for p in placed]
+        if not self.by_peer(sources):
+            self._by_block(list(zip(map(_byte_rows, rows), sources)), back=True)
+            return rows
+        ranked = [moe_re_routing_inverse(s, self.counts,
+                                         expert_alignment=self.attributes.expert_alignment,
+                                         allow_spare_rows=self.attributes.allow_spare_rows)[0]
+                  for s in sources]
+        self._by_peer(list(zip(map(_byte_rows, rows), ranked)), back=True)
         return rows
 
     def combine(self, expert_out):
@@ -277,6 +366,15 @@ class Handle:
                           device=self.row_idx.device)
 
 
+def _sorted(tensor, index):
+    """tensor's rows at `index`, moved as bytes (index_select has no float8
+    or float4 kernels)."""
+    shape = (index.shape[0], *tensor.shape[1:])
+    if tensor.numel() == 0 or index.numel() == 0:
+        return tensor.new_empty(shape)
+    return _byte_rows(tensor.contiguous()).index_select(0, index).view(tensor.dtype).view(shape)
+
+
 def dispatch(x, expert_idx, num_experts, group, expert_scales, per_token_scales, tokens_dtype,
              expert_alignment, capacity, idx_type, expert_token_num_type) -> DispatchResult:
     """ep.dispatch on a torch.distributed group (None: the default group)."""
@@ -286,35 +384,31 @@ def dispatch(x, expert_idx, num_experts, group, expert_scales, per_token_scales,
                        tokens_dtype, expert_alignment, capacity, idx_type, expert_token_num_type)
     except Exception as caught:  # every rank hears of it before anything is sent
         error = caught
-    _agree(group, "dispatch", error, _DISPATCH_AGREED, () if local is None else local.agreed)
-
+    # The counts' length, N * E, from num_experts, which every rank must pass alike.
+    num_counts = num_experts if isinstance(num_experts, int) and num_experts > 0 else 0
+    matrix = _agree(group, "dispatch", error, _DISPATCH_AGREED,
+                    () if local is None else local.agreed, num_counts,
+                    None if local is None else local.sent)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    counts = torch.empty_like(local.sent)
-    dist.all_to_all_single(counts, local.sent, group=group)
-    received = counts.view(size, local.experts)
-    # Both counts on the host at once: on CUDA the one synchronisation of a dispatch.
-    host = torch.cat((local.sent, counts)).cpu().numpy().astype(np.int64)
-    sent, received_host = host[:counts.numel()], host[counts.numel():].reshape(size, local.experts)
+    blocks = matrix.reshape(size, size, local.experts)  # [source, destination, expert]
+    num_received = blocks.sum(axis=(0, 2))
+    # Every rank checks every rank's capacity from the counts it has of all.
+    over = np.flatnonzero(num_received > local.capacity) if local.capacity >= 0 else []
+    if len(over):
+        _refuse("dispatch", ValueError(
+            f"capacity: rank {rank} receives {num_received[rank]} rows, more than capacity = "
+            f"{local.capacity}") if rank in over else None, int(over[0]), _ERRORS.index(ValueError))
+    num_slots = int(num_received[rank]) if local.capacity < 0 else local.capacity
     # The receiver's index and expert_token_num are moe_re_routing's for these
     # counts, whatever the rows hold: its call on one byte a row gives them.
-    num_received = int(received_host.sum())
-    error = layout = None
-    try:
-        if 0 <= local.capacity < num_received:
-            raise ValueError(f"capacity: rank {rank} receives {num_received} rows, more than "
-                             f"capacity = {local.capacity}")
-        num_recv = num_received if local.capacity < 0 else local.capacity
-        attributes, _ = local.reroute
-        layout = moe_re_routing(
-            torch.empty((num_recv, 1), dtype=torch.uint8, device=local.x.device), received,
-            expert_token_num_type=attributes.expert_token_num_type, idx_type=attributes.idx_type,
-            expert_alignment=attributes.expert_alignment,
-            allow_spare_rows=attributes.allow_spare_rows)
-    except Exception as caught:
-        error = caught
-    _agree(group, "dispatch", error)
-    handle = Handle(group, local, sent.tolist(), received_host, layout[0].shape[0],
-                    local.reroute[0].expert_alignment)
+    attributes = local.reroute[0]
+    received = torch.from_numpy(blocks[:, rank].astype(np.int32)).to(local.x.device)
+    layout = moe_re_routing(
+        torch.empty((num_slots, 1), dtype=torch.uint8, device=local.x.device), received,
+        expert_token_num_type=attributes.expert_token_num_type, idx_type=attributes.idx_type,
+        expert_alignment=attributes.expert_alignment,
+        allow_spare_rows=attributes.allow_spare_rows)
+    handle = Handle(group, local, blocks, received, num_slots, layout[0].shape[0])
     outputs = _Dispatch.apply(local.x, local.expert_scales, handle, local, layout)
     return DispatchResult(*outputs, received, handle)
 
@@ -325,23 +419,18 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, expert_scales, handle, local, layout):
-        num_rows = handle.num_rows
-        tokens = x.new_empty((num_rows, *x.shape[1:]))
-        parts = [(_byte_rows(local.packed), _byte_rows(tokens))]
-        scales_out, weight_out = layout[1], layout[4]  # [R] zeros, (0,): without scales, weights
         order = handle.order
+        scales = weights = None
         if local.per_token_scales is not None:
-            scales = local.per_token_scales.contiguous()
-            scales_out = scales.new_empty((num_rows, *scales.shape[1:]))
-            parts.append((_byte_rows(scales).index_select(0, order // handle.top_k),
-                          _byte_rows(scales_out)))
+            scales = _sorted(local.per_token_scales, order // handle.top_k)
         if expert_scales is not None:
-            weight_out = expert_scales.new_empty((num_rows,))
-            parts.append((_byte_rows(expert_scales.reshape(-1)[order]), _byte_rows(weight_out)))
-        handle.exchange(parts)
-        for begin, end in handle.pad_rows:
-            for _, placed in parts:
-                placed[begin:end] = 0
+            weights = expert_scales.reshape(-1)[order]
+        tokens, scales_out, weight_out = handle.place(local.packed, scales, weights,
+                                                      local.reroute[1])
+        if scales_out is None:  # [R] float32 zeros
+            scales_out = layout[1]
+        if weight_out is None:  # (0,)
+            weight_out = layout[4]
         ctx.handle = handle
         ctx.mark_non_differentiable(scales_out, layout[2], layout[3])
         if expert_scales is None:
@@ -352,20 +441,16 @@ class _Dispatch(torch.autograd.Function):
     def backward(ctx, grad_tokens, _scales, _idx, _num, grad_weight):
         handle = ctx.handle
         needs_x, needs_weights = ctx.needs_input_grad[:2]
-        pairs = handle.num_tokens * handle.top_k
-        parts, grad_x, grad_weights = [], None, None
+        placed = [grad for grad, needed in ((grad_tokens, needs_x), (grad_weight, needs_weights))
+                  if needed]
+        rows = handle.bring_back(placed) if placed else []
+        grad_x = grad_weights = None
         if needs_x:
-            rows = grad_tokens.new_empty((pairs, *grad_tokens.shape[1:]))
-            parts.append((_byte_rows(rows), _byte_rows(grad_tokens.contiguous())))
-        if needs_weights:
-            weights = grad_weight.new_empty((pairs,))
-            parts.append((_byte_rows(weights), _byte_rows(grad_weight.contiguous())))
-        handle.exchange(parts, back=True)
-        if needs_x:
-            grad_x = moe_finalize_routing(rows, handle.row_idx, scales=handle.scales(None),
+            grad_x = moe_finalize_routing(rows.pop(0), handle.row_idx, scales=handle.scales(None),
                                           drop_pad_mode=_ROW_MAJOR)
         if needs_weights:
-            grad_weights = weights[handle.row_idx.long()].view(handle.num_tokens, handle.top_k)
+            grad_weights = rows.pop(0)[handle.row_idx.long()].view(handle.num_tokens,
+                                                                   handle.top_k)
         return grad_x, grad_weights, None, None, None
 
 
@@ -376,7 +461,7 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, expert_out, weights, handle):
-        rows = handle.returned(expert_out)
+        rows, = handle.bring_back([expert_out])
         ctx.handle = handle
         ctx.save_for_backward(weights, rows if ctx.needs_input_grad[1] else None)
         return moe_finalize_routing(rows, handle.row_idx, scales=handle.scales(weights),
@@ -392,9 +477,8 @@ class _Combine(torch.autograd.Function):
             if weights is not None:
                 sorted_weights = weights.reshape(-1)[handle.order]
                 sorted_grad = (sorted_grad.float() * sorted_weights[:, None]).to(grad_out.dtype)
-            # Rows no pair reads (pad and spare rows) get zeros.
-            grad_expert_out = grad_out.new_zeros((handle.num_rows, grad_out.shape[1]))
-            handle.exchange([(_byte_rows(sorted_grad.contiguous()), _byte_rows(grad_expert_out))])
+            grad_expert_out, _, _ = handle.place(sorted_grad.contiguous())
+            grad_expert_out[handle.num_valid:] = 0  # the spare rows, which no pair reads
         if ctx.needs_input_grad[1]:
             pair_rows = rows[handle.row_idx.long()].float()
             grad_weights = (pair_rows.view(handle.num_tokens, handle.top_k, rows.shape[1])

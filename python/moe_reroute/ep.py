@@ -60,6 +60,8 @@ def dispatch(x, expert_idx, num_experts: int, *, group=None, expert_scales=None,
     if _is_mpi(group):
         from . import _ep_mpi
         return _ep_mpi.dispatch(*args)
+    from . import _ops
+    _ops()  # the library's RuntimeError where this build has no torch operators
     from . import _ep_torch
     return _ep_torch.dispatch(*args)
 

@@ -3,7 +3,8 @@ naive reference ep_reference.py, byte for byte: every token dtype torch has,
 every scales form, weights present and absent, both index types and count
 modes, expert_alignment with capacity, ranks with no tokens and ranks that
 receive nothing, skewed routing; combine after dispatch (identity experts
-bit for bit); autograd against loops; bad input on one rank and on all.
+bit for bit); autograd against loops; bad input on one rank and on all;
+each case with the rows moved a message per block and a message per peer.
 
 Each rank count is one launch (this file run as a script, which spawns the
 ranks), run with a timeout so that a hang fails, naming the case each rank
@@ -542,10 +543,18 @@ def error_cases(num_ranks):
                 last_tensors=lambda t: dict(x=t["x"].clone().requires_grad_()))]
 
 
+# The two ways an exchange moves rows (_ep_torch.Handle.by_peer), each forced
+# on every case by its threshold: a message per block, a message per peer.
+EXCHANGES = {"by block": 0, "by peer": 1 << 62}
+
+
 def all_cases(num_ranks):
+    """(label, exchange, run): every case under each exchange."""
     # Errors between good cases: a call that sent anything would put the next out of step.
-    return (sweep_cases(num_ranks)[:3] + error_cases(num_ranks) + sweep_cases(num_ranks)[3:]
+    once = (sweep_cases(num_ranks)[:3] + error_cases(num_ranks) + sweep_cases(num_ranks)[3:]
             + routing_cases(num_ranks) + autograd_cases(num_ranks))
+    return [(f"{label}, {exchange}", exchange, run) for exchange in EXCHANGES
+            for label, run in once]
 
 
 def rank_main(rank, num_ranks, directory):
@@ -553,9 +562,11 @@ def rank_main(rank, num_ranks, directory):
     directory = pathlib.Path(directory)
     dist.init_process_group("gloo", init_method=f"file://{directory}/store", rank=rank,
                             world_size=num_ranks)
+    from moe_reroute import _ep_torch
     failures, count = [], 0
-    for label, run in all_cases(num_ranks):
+    for label, exchange, run in all_cases(num_ranks):
         (directory / f"case{rank}").write_text(label)
+        _ep_torch.SMALL_BLOCK_BYTES = EXCHANGES[exchange]
         faulthandler.dump_traceback_later(CASE_TIMEOUT_S, exit=True)
         try:
             run(rank, num_ranks)
