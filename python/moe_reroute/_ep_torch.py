@@ -224,7 +224,10 @@ class Handle:
         self.num_tokens = local.x.shape[0]
         self.num_slots = num_slots  # A: the rows received, or capacity
         self.num_rows = num_rows  # R: the rows of permute_tokens, which expert_out must have
-        self.attributes, self.tokens_dtype = local.reroute
+        attributes = local.reroute[0]
+        # moe_re_routing's attributes that place rows.
+        self.placement = dict(expert_alignment=attributes.expert_alignment,
+                              allow_spare_rows=attributes.allow_spare_rows)
         sent, received = blocks[self.rank].reshape(-1), blocks[:, self.rank]
         self.sent = sent.tolist()  # [N * E]: pairs sent to each global expert, in sorted order
         self.sent_offset = (np.cumsum(sent) - sent).tolist()
@@ -235,7 +238,7 @@ class Handle:
         self.counts = counts  # [N, E] int32 on x's device: received, for moe_re_routing
         # moe_re_routing's DstOffset: expert e's segment (padded totals of the
         # experts before it), then the blocks of ranks 0 .. r - 1.
-        alignment = self.attributes.expert_alignment
+        alignment = attributes.expert_alignment
         totals = received.sum(axis=0)
         padded = -(-totals // alignment) * alignment
         segment = np.cumsum(padded) - padded
@@ -252,10 +255,10 @@ class Handle:
                                                        device=self.row_idx.device)
         self.weights = local.expert_scales  # [T, k] float32 or None (weight 1)
 
-    def by_peer(self, parts) -> bool:
-        """Whether an exchange of `parts` (byte rows) sends a message per peer
-        rather than per block: its blocks are small. The same on every rank."""
-        return sum(part.shape[1] for part in parts) * self.block_rows < SMALL_BLOCK_BYTES
+    def by_peer(self, row_bytes: int) -> bool:
+        """Whether a part of `row_bytes` a row moves one message per peer
+        rather than per block: its mean block is small. The same on every rank."""
+        return row_bytes * self.block_rows < SMALL_BLOCK_BYTES
 
     def _by_block(self, parts, back: bool = False) -> None:
         """Moves each (rank, expert) block of rows between the sorted pair
@@ -263,6 +266,8 @@ class Handle:
         (sorted rows [T * k, ..], placed rows [R, ..]) byte-row pairs, all
         moved in one batch. Forward: sorted to placed (dispatch); back:
         placed to sorted (combine). A rank's own blocks are copied."""
+        if not parts:  # the loop over the blocks costs at decode size
+            return
         ops = []
         for peer in range(self.size):
             for e in range(self.experts):
@@ -285,57 +290,47 @@ class Handle:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
 
-    def _by_peer(self, parts, back: bool = False) -> None:
-        """Moves the rows between the sorted pair rows at the source (a
-        peer's contiguous) and the rows received in source-rank order, one
-        all_to_all_single a part; `parts` are (sorted rows [T * k, ..], rows
-        [A, ..]) byte-row pairs. Forward: sorted to received; back: the reverse."""
+    def _by_peer(self, sorted_rows, ranked, back: bool = False) -> None:
+        """Moves rows between the sorted pair rows at the source (a peer's
+        contiguous) and the rows [A, ..] received in source-rank order, in one
+        all_to_all_single. Forward: sorted to received; back: the reverse."""
         step = -1 if back else 1  # (output, input): (received, sorted), or the reverse
-        sizes = (self.received_by_rank, self.sent_by_rank)[::step]
-        for sorted_rows, ranked in parts:
-            output, source = (ranked[:self.num_received], sorted_rows)[::step]
-            dist.all_to_all_single(output, source, *sizes, group=self.group)
+        dist.all_to_all_single(*(ranked[:self.num_received], sorted_rows)[::step],
+                               *(self.received_by_rank, self.sent_by_rank)[::step],
+                               group=self.group)
 
-    def place(self, tokens, scales=None, weights=None, tokens_dtype=None) -> tuple:
-        """Dispatch's exchange: the sorted rows [T * k, ..] of tokens (and
-        scales, weights [T * k]) to their rows [R, ..] at the experts' ranks
-        as moe_re_routing places them: pad rows zero, spare rows unwritten.
-        Returns (tokens, scales, weights), None for a part not given."""
-        sources = (tokens, scales, weights)
-        if not self.by_peer([_byte_rows(s) for s in sources if s is not None]):
-            placed = [s if s is None else s.new_empty((self.num_rows, *s.shape[1:]))
-                      for s in sources]
-            parts = [(_byte_rows(s), _byte_rows(p)) for s, p in zip(sources, placed)
-                     if s is not None]
-            self._by_block(parts)
-            for begin, end in self.pad_rows:
-                for _, rows in parts:
-                    rows[begin:end] = 0
-            return tuple(placed)
-        ranked = [s if s is None else s.new_empty((self.num_slots, *s.shape[1:]))
-                  for s in sources]
-        self._by_peer([(_byte_rows(s), _byte_rows(r)) for s, r in zip(sources, ranked)
-                       if s is not None])
-        out = moe_re_routing(ranked[0], self.counts, per_token_scales=ranked[1],
-                             expert_topk_weight=ranked[2], tokens_dtype=tokens_dtype,
-                             expert_alignment=self.attributes.expert_alignment,
-                             allow_spare_rows=self.attributes.allow_spare_rows)
-        return tuple(o if s is not None else None for s, o in zip(sources, (out[0], out[1], out[4])))
+    def place(self, parts) -> list:
+        """Dispatch's exchange: each of `parts`, sorted pair rows [T * k, b]
+        uint8, to its rows [R, b] at the experts' ranks, as moe_re_routing
+        places them: pad rows zero, spare rows unwritten."""
+        placed, by_block = [], []
+        for rows in parts:
+            if self.by_peer(rows.shape[1]):
+                ranked = rows.new_empty((self.num_slots, rows.shape[1]))
+                self._by_peer(rows, ranked)
+                placed.append(moe_re_routing(ranked, self.counts, **self.placement)[0])
+            else:
+                placed.append(rows.new_empty((self.num_rows, rows.shape[1])))
+                by_block.append((rows, placed[-1]))
+        self._by_block(by_block)
+        for begin, end in self.pad_rows:
+            for _, rows in by_block:
+                rows[begin:end] = 0
+        return placed
 
-    def bring_back(self, placed) -> list:
-        """Combine's exchange: each of `placed` [R, ..] back to the sorted
-        pair rows [T * k, ..] at the source ranks."""
-        rows = [p.new_empty((self.num_tokens * self.top_k, *p.shape[1:])) for p in placed]
-        sources = [_byte_rows(p.contiguous()) for p in placed]
-        if not self.by_peer(sources):
-            self._by_block(list(zip(map(_byte_rows, rows), sources)), back=True)
-            return rows
-        ranked = [moe_re_routing_inverse(s, self.counts,
-                                         expert_alignment=self.attributes.expert_alignment,
-                                         allow_spare_rows=self.attributes.allow_spare_rows)[0]
-                  for s in sources]
-        self._by_peer(list(zip(map(_byte_rows, rows), ranked)), back=True)
-        return rows
+    def bring_back(self, parts) -> list:
+        """Combine's exchange: each of `parts`, placed rows [R, b] uint8, back
+        to the sorted pair rows [T * k, b] at the source ranks."""
+        returned, by_block = [], []
+        for placed in parts:
+            returned.append(placed.new_empty((self.num_tokens * self.top_k, placed.shape[1])))
+            if self.by_peer(placed.shape[1]):
+                ranked = moe_re_routing_inverse(placed, self.counts, **self.placement)[0]
+                self._by_peer(returned[-1], ranked, back=True)
+            else:
+                by_block.append((returned[-1], placed))
+        self._by_block(by_block, back=True)
+        return returned
 
     def combine(self, expert_out):
         """ep.combine: expert_out [R, H'] back to the source ranks, each token's
@@ -366,13 +361,10 @@ class Handle:
                           device=self.row_idx.device)
 
 
-def _sorted(tensor, index):
-    """tensor's rows at `index`, moved as bytes (index_select has no float8
-    or float4 kernels)."""
-    shape = (index.shape[0], *tensor.shape[1:])
-    if tensor.numel() == 0 or index.numel() == 0:
-        return tensor.new_empty(shape)
-    return _byte_rows(tensor.contiguous()).index_select(0, index).view(tensor.dtype).view(shape)
+def _typed(rows, like, num_rows: int):
+    """Byte rows [n, b] as `like`'s dtype and trailing shape: [num_rows, ..]."""
+    shape = (num_rows, *like.shape[1:])
+    return like.new_empty(shape) if rows.numel() == 0 else rows.view(like.dtype).view(shape)
 
 
 def dispatch(x, expert_idx, num_experts, group, expert_scales, per_token_scales, tokens_dtype,
@@ -420,17 +412,18 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, expert_scales, handle, local, layout):
         order = handle.order
-        scales = weights = None
+        # (output, sorted rows, what its rows are like) of each part given.
+        parts = [(0, _byte_rows(local.packed), local.packed)]
         if local.per_token_scales is not None:
-            scales = _sorted(local.per_token_scales, order // handle.top_k)
+            scales = local.per_token_scales.contiguous()
+            parts.append((1, _byte_rows(scales).index_select(0, order // handle.top_k), scales))
         if expert_scales is not None:
-            weights = expert_scales.reshape(-1)[order]
-        tokens, scales_out, weight_out = handle.place(local.packed, scales, weights,
-                                                      local.reroute[1])
-        if scales_out is None:  # [R] float32 zeros
-            scales_out = layout[1]
-        if weight_out is None:  # (0,)
-            weight_out = layout[4]
+            weights = expert_scales.reshape(-1)
+            parts.append((2, _byte_rows(weights[order]), weights))
+        outputs = [None, layout[1], layout[4]]  # without scales [R] zeros, without weights (0,)
+        for (i, _, like), rows in zip(parts, handle.place([rows for _, rows, _ in parts])):
+            outputs[i] = _typed(rows, like, handle.num_rows)
+        tokens, scales_out, weight_out = outputs
         ctx.handle = handle
         ctx.mark_non_differentiable(scales_out, layout[2], layout[3])
         if expert_scales is None:
@@ -441,9 +434,11 @@ class _Dispatch(torch.autograd.Function):
     def backward(ctx, grad_tokens, _scales, _idx, _num, grad_weight):
         handle = ctx.handle
         needs_x, needs_weights = ctx.needs_input_grad[:2]
-        placed = [grad for grad, needed in ((grad_tokens, needs_x), (grad_weight, needs_weights))
-                  if needed]
-        rows = handle.bring_back(placed) if placed else []
+        pairs = handle.num_tokens * handle.top_k
+        grads = [grad.contiguous() for grad, needed in ((grad_tokens, needs_x),
+                                                        (grad_weight, needs_weights)) if needed]
+        rows = [_typed(returned, grad, pairs)
+                for returned, grad in zip(handle.bring_back(map(_byte_rows, grads)), grads)]
         grad_x = grad_weights = None
         if needs_x:
             grad_x = moe_finalize_routing(rows.pop(0), handle.row_idx, scales=handle.scales(None),
@@ -461,7 +456,9 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, expert_out, weights, handle):
-        rows, = handle.bring_back([expert_out])
+        expert_out = expert_out.contiguous()
+        returned, = handle.bring_back([_byte_rows(expert_out)])
+        rows = _typed(returned, expert_out, handle.num_tokens * handle.top_k)
         ctx.handle = handle
         ctx.save_for_backward(weights, rows if ctx.needs_input_grad[1] else None)
         return moe_finalize_routing(rows, handle.row_idx, scales=handle.scales(weights),
@@ -477,7 +474,8 @@ class _Combine(torch.autograd.Function):
             if weights is not None:
                 sorted_weights = weights.reshape(-1)[handle.order]
                 sorted_grad = (sorted_grad.float() * sorted_weights[:, None]).to(grad_out.dtype)
-            grad_expert_out, _, _ = handle.place(sorted_grad.contiguous())
+            placed, = handle.place([_byte_rows(sorted_grad.contiguous())])
+            grad_expert_out = _typed(placed, grad_out, handle.num_rows)
             grad_expert_out[handle.num_valid:] = 0  # the spare rows, which no pair reads
         if ctx.needs_input_grad[1]:
             pair_rows = rows[handle.row_idx.long()].float()
