@@ -122,11 +122,13 @@ def _agree(group, step: str, error, names=(), values=(), num_counts=0, counts=No
     failed = np.flatnonzero(gathered[:, 0])
     if failed.size:
         _refuse(step, error, int(failed[0]), int(gathered[failed[0], 0]) - 1)
-    for i, name in enumerate(names):
-        low, high = gathered[:, 1 + i].min(), gathered[:, 1 + i].max()
-        if high != low:
-            raise ValueError(f"{name} differs across ranks ({low} to {high}); every rank must "
-                             "pass the same")
+    values = gathered[:, 1:1 + len(names)]
+    low, high = values.min(axis=0), values.max(axis=0)
+    differs = np.flatnonzero(low != high)
+    if differs.size:
+        i = differs[0]
+        raise ValueError(f"{names[i]} differs across ranks ({low[i]} to {high[i]}); every rank "
+                         "must pass the same")
     return gathered[:, 1 + len(names):]
 
 
