@@ -4,7 +4,8 @@ every scales form, weights present and absent, both index types and count
 modes, expert_alignment with capacity, ranks with no tokens and ranks that
 receive nothing, skewed routing; combine after dispatch (identity experts
 bit for bit); autograd against loops; bad input on one rank and on all;
-each case with the rows moved a message per block and a message per peer.
+each case with the rows moved a message per block, a message per peer and
+each part its own way.
 
 Each rank count is one launch (this file run as a script, which spawns the
 ranks), run with a timeout so that a hang fails, naming the case each rank
@@ -543,9 +544,11 @@ def error_cases(num_ranks):
                 last_tensors=lambda t: dict(x=t["x"].clone().requires_grad_()))]
 
 
-# The two ways an exchange moves rows (_ep_torch.Handle.by_peer), each forced
-# on every case by its threshold: a message per block, a message per peer.
-EXCHANGES = {"by block": 0, "by peer": 1 << 62}
+# The two ways an exchange moves rows (_ep_torch.Handle.by_peer), picked by
+# the threshold: every part a message per block, every part a message per
+# peer, and each part by its mean block (wide token rows by block, narrow rows
+# and the scales and weights by peer, as at prefill).
+EXCHANGES = {"by block": 0, "by peer": 1 << 62, "by part": 256}
 
 
 def all_cases(num_ranks):
