@@ -21,6 +21,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -65,6 +66,21 @@ def test_ep_on_gloo(num_ranks, tmp_path):
     assert not failures, "\n".join(failures)[:20000]
     assert [result["cases"] for result in results] == [results[0]["cases"]] * num_ranks
     assert results[0]["cases"] == len(all_cases(num_ranks))
+
+
+def test_dispatch_without_the_torch_operators(tmp_path):
+    """A build without _torch_ops.so (torch installed after it): ep.dispatch
+    on torch tensors raises the library's RuntimeError, not an ImportError."""
+    import moe_reroute
+    shutil.copytree(pathlib.Path(moe_reroute.__file__).parent, tmp_path / "moe_reroute",
+                    ignore=shutil.ignore_patterns("_torch_ops.so", "__pycache__"))
+    code = ("import torch\nfrom moe_reroute import ep\ntry:\n"
+            "    ep.dispatch(torch.zeros(2, 4), torch.zeros(2, 1, dtype=torch.int32), 1)\n"
+            "except RuntimeError as error:\n    print(error)\n")
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=TIMEOUT_S,
+                         env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+    assert run.stdout.startswith("moe_reroute: this build has no torch operators"), run.stderr
 
 
 # ---- inputs, every rank's from one seed ----
