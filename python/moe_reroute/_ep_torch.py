@@ -6,14 +6,15 @@ communicator.
 Costs per dispatch: one all_gather of each rank's failure word, the values
 every rank must pass alike and its counts (N * E int64), which gives every
 rank the whole count matrix; it is read on the host (on CUDA the one
-synchronisation of a dispatch). Then the rows move one of two ways, picked
-from the count matrix alike on every rank (Handle.by_peer): blocks (the rows
-one rank sends another for one expert) of SMALL_BLOCK_BYTES and more go
-straight into place, one point-to-point message per non-empty block and part
-(tokens, scales, weights), each byte crossing once; smaller ones go as one
-all_to_all_single a part into rows in source-rank order, placed by
-moe_re_routing (back: moe_re_routing_inverse, then the all_to_all_single). A
-combine costs one agreement (an all_gather) and the exchange back. The
+synchronisation of a dispatch). Then each part (tokens, scales, weights)
+moves one of two ways, picked from the count matrix and its row bytes alike
+on every rank (Handle.by_peer): where its mean block (its rows one rank
+sends another for one expert) has SMALL_BLOCK_BYTES or more, straight into
+place, one point-to-point message per non-empty block, each byte crossing
+once; where less, one all_to_all_single into rows in source-rank order,
+placed by moe_re_routing (back: moe_re_routing_inverse, then the
+all_to_all_single). A combine costs one agreement (an all_gather) and the
+exchange back. The
 backward passes exchange rows as well (dispatch's as a combine, combine's as
 a dispatch), so every rank must run them, as with DeepEP; whether x,
 expert_scales and expert_out require grad is agreed with the arguments, so
@@ -200,12 +201,13 @@ class _Local:
         self.capacity, self.experts, self.top_k = capacity, experts, top_k
 
 
-# The mean bytes of a block (what one rank sends another for one expert, all
-# parts) below which an exchange moves one message per peer and part and
-# places the rows with moe_re_routing (back: moe_re_routing_inverse first):
-# on gloo each message costs about 0.1 ms, a pass over the rows less than
-# that below this size (bench/ep.py, 2 ranks). At and above it each block
-# goes straight into place and each byte crosses once.
+# A part's mean block (its rows one rank sends another for one expert) below
+# this many bytes moves as one all_to_all_single and is placed by
+# moe_re_routing (back: moe_re_routing_inverse first); at and above it, as
+# one message per block straight into place, each byte crossing once. On
+# gloo each message costs about 0.1 ms: bench/ep.py at 2 ranks found the
+# message per peer faster at 115 KiB blocks, the two even at 172 KiB and the
+# message per block faster at 230 KiB.
 SMALL_BLOCK_BYTES = 128 << 10
 
 
@@ -378,7 +380,9 @@ def dispatch(x, expert_idx, num_experts, group, expert_scales, per_token_scales,
                        tokens_dtype, expert_alignment, capacity, idx_type, expert_token_num_type)
     except Exception as caught:  # every rank hears of it before anything is sent
         error = caught
-    # The counts' length, N * E, from num_experts, which every rank must pass alike.
+    # The counts' length, N * E, from num_experts, which every rank must pass
+    # alike: a rank passing another makes the gathered rows' lengths differ,
+    # which the backend refuses (gloo ends the process) rather than a hang.
     num_counts = num_experts if isinstance(num_experts, int) and num_experts > 0 else 0
     matrix = _agree(group, "dispatch", error, _DISPATCH_AGREED,
                     () if local is None else local.agreed, num_counts,
