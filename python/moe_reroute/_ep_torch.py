@@ -85,6 +85,9 @@ _DISPATCH_AGREED = (
     # Every rank's backward exchanges, or none's.
     "x: requires grad", "expert_scales: requires grad")
 _COMBINE_AGREED = ("expert_out: dtype", "expert_out: H'", "expert_out: requires grad")
+# Counts that ride in dispatch's agreement (num_experts up to this: one
+# collective before the rows); more take a second all_gather.
+_COUNT_SLOTS = 1024
 
 
 def _refuse(step: str, error, failing: int, kind: int) -> None:
@@ -97,13 +100,17 @@ def _refuse(step: str, error, failing: int, kind: int) -> None:
                         "argument); nothing was sent")
 
 
-def _agree(group, step: str, error, names=(), values=(), num_counts=0, counts=None):
+def _agree(group, step: str, error, names=(), values=(), with_counts=False, counts=None):
     """The bounded agreement: one all_gather over the group of each rank's
     failure word (its exception type), the values named `names` (a rank that
-    failed has none) and, for dispatch, its `num_counts` counts (the pairs it
-    sends to each global expert). Raises on every rank when a rank failed or
-    the values differ between ranks (_refuse). Returns every rank's counts,
-    [N, num_counts] int64 on the host: on CUDA one synchronisation."""
+    failed has none) and, for dispatch (`with_counts`), its counts (the pairs
+    it sends to each global expert; None where it failed). Raises on every
+    rank when a rank failed or the values differ between ranks (_refuse).
+    Returns every rank's counts, [N, num_experts] int64 on the host: on CUDA
+    one synchronisation. The gathered rows have one length on every rank
+    whatever they passed (the backend ends the process where they differ):
+    up to _COUNT_SLOTS counts ride in them, more take a second gather once
+    every rank knows that num_experts is agreed."""
     size = dist.get_world_size(group)
     device = _collective_device(group)
     head = [0] * (1 + len(names))
@@ -112,25 +119,32 @@ def _agree(group, step: str, error, names=(), values=(), num_counts=0, counts=No
                            len(_ERRORS) - 1)
     else:
         head[1:] = values
-    row = torch.tensor(head, dtype=torch.int64, device=device)
-    if num_counts:
-        tail = (torch.zeros(num_counts, dtype=torch.int64, device=device) if counts is None
-                else counts.to(device=device, dtype=torch.int64))
-        row = torch.cat((row, tail))
+    row = torch.tensor(head + [0] * (_COUNT_SLOTS if with_counts else 0), dtype=torch.int64,
+                       device=device)
+    inline = counts is not None and counts.numel() <= _COUNT_SLOTS
+    if inline:
+        row[len(head):len(head) + counts.numel()] = counts
     gathered = row.new_empty((size * row.numel(),))
     dist.all_gather_into_tensor(gathered, row, group=group)
     gathered = gathered.view(size, -1).cpu().numpy()
     failed = np.flatnonzero(gathered[:, 0])
     if failed.size:
         _refuse(step, error, int(failed[0]), int(gathered[failed[0], 0]) - 1)
-    values = gathered[:, 1:1 + len(names)]
+    values = gathered[:, 1:len(head)]
     low, high = values.min(axis=0), values.max(axis=0)
     differs = np.flatnonzero(low != high)
     if differs.size:
         i = differs[0]
         raise ValueError(f"{names[i]} differs across ranks ({low[i]} to {high[i]}); every rank "
                          "must pass the same")
-    return gathered[:, 1 + len(names):]
+    if not with_counts:
+        return None
+    if inline:
+        return gathered[:, len(head):len(head) + counts.numel()]
+    counts = counts.to(device=device, dtype=torch.int64)
+    matrix = counts.new_empty((size * counts.numel(),))
+    dist.all_gather_into_tensor(matrix, counts, group=group)
+    return matrix.view(size, -1).cpu().numpy()
 
 
 def _requires_grad(tensor) -> bool:
@@ -380,12 +394,8 @@ def dispatch(x, expert_idx, num_experts, group, expert_scales, per_token_scales,
                        tokens_dtype, expert_alignment, capacity, idx_type, expert_token_num_type)
     except Exception as caught:  # every rank hears of it before anything is sent
         error = caught
-    # The counts' length, N * E, from num_experts, which every rank must pass
-    # alike: a rank passing another makes the gathered rows' lengths differ,
-    # which the backend refuses (gloo ends the process) rather than a hang.
-    num_counts = num_experts if isinstance(num_experts, int) and num_experts > 0 else 0
     matrix = _agree(group, "dispatch", error, _DISPATCH_AGREED,
-                    () if local is None else local.agreed, num_counts,
+                    () if local is None else local.agreed, True,
                     None if local is None else local.sent)
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     blocks = matrix.reshape(size, size, local.experts)  # [source, destination, expert]

@@ -259,7 +259,8 @@ def sweep_cases(num_ranks):
 
 def routing_cases(num_ranks):
     """Routing shapes: a rank that receives nothing, skew, every rank with no
-    tokens, one expert per rank with k = 1, a wide row, capacity met exactly."""
+    tokens, one expert per rank with k = 1, a wide row, more experts than the
+    agreement carries counts for, capacity met exactly."""
     def nothing_to_last(rank, num_ranks):
         rng = cases.seeded("nothing to the last rank", str(num_ranks))
         route = np.array([1.0] * (2 * num_ranks - 2) + [0.0, 0.0])
@@ -290,6 +291,13 @@ def routing_cases(num_ranks):
                       hidden=7168, token_case=cases.TOKEN_CASES[1], weights=True)
         identity_experts(setup, rank, expert_alignment=2)
 
+    def many_experts(rank, num_ranks):
+        # More global experts than ride in the agreement: the counts take a second gather.
+        rng = cases.seeded("many experts", str(num_ranks))
+        setup = Setup(rng, num_ranks, experts=1100 // num_ranks + 1, top_k=3,
+                      tokens=[6] * num_ranks, weights=True)
+        dispatch_and_combine(setup, rank, rng, torch.float32, 4)
+
     def capacity_met(rank, num_ranks):
         rng = cases.seeded("capacity met exactly", str(num_ranks))
         setup = Setup(rng, num_ranks, experts=2, top_k=2, weights=True,
@@ -309,8 +317,8 @@ def routing_cases(num_ranks):
                              expert_alignment=2)
 
     return [(f.__name__.replace("_", " "), f) for f in (
-        nothing_to_last, skewed, no_tokens_anywhere, one_expert_top1, wide_rows, capacity_met,
-        subgroup)]
+        nothing_to_last, skewed, no_tokens_anywhere, one_expert_top1, wide_rows, many_experts,
+        capacity_met, subgroup)]
 
 
 def autograd_cases(num_ranks):
@@ -481,6 +489,21 @@ def error_cases(num_ranks):
                 culprits, ValueError, f"num_experts: must be a positive multiple of the "
                 f"{num_ranks} ranks of group, got {num_ranks + 1}")
 
+    def num_experts_not_an_int(rank, num_ranks):
+        setup = setup_for("num_experts not an int")
+        num_experts = str(setup.num_experts) if rank == last else setup.num_experts
+        refused(lambda: ep.dispatch(num_experts=num_experts, **setup.tensors[rank]), rank,
+                {last}, TypeError, "num_experts: ")
+
+    def num_experts_differs(rank, num_ranks):
+        # The counts' length follows num_experts: the agreement's rows must not.
+        setup = setup_for("num_experts differs")
+        num_experts = setup.num_experts * (2 if rank == last else 1)
+        refused(lambda: ep.dispatch(num_experts=num_experts, **setup.tensors[rank]), rank,
+                set(range(num_ranks)), ValueError,
+                f"num_experts differs across ranks ({setup.num_experts} to "
+                f"{2 * setup.num_experts}); every rank must pass the same")
+
     def negative_capacity(rank, num_ranks):
         setup = setup_for("negative capacity")
         capacity = -2 if rank == last else None
@@ -545,7 +568,8 @@ def error_cases(num_ranks):
 
     named = [(f.__name__.replace("_", " "), f) for f in (
         bad_id, bad_ids_everywhere, int32_tokens, not_a_tensor, expert_scales_shape, scales_form,
-        num_experts_not_a_multiple, negative_capacity, float8_grad, capacity_exceeded,
+        num_experts_not_a_multiple, num_experts_not_an_int, num_experts_differs,
+        negative_capacity, float8_grad, capacity_exceeded,
         combine_rows, combine_dtype_differs, combine_int_everywhere)]
     return named + [
         differs("x: H", 6, 8, hidden_on={last: 8}),
