@@ -11,8 +11,12 @@ namespace {
 
 std::size_t at(std::int64_t i) { return static_cast<std::size_t>(i); }
 
-double bfloat16_value(std::uint16_t bits, float sign_of) {
-  if ((bits & 0x7fff) == 0x7f80) return std::copysign(std::ldexp(1.0, 128), sign_of);
+// The value of bfloat16 `bits`, infinity counting as 2^128 with its sign (the
+// next step past the largest finite value, for bfloat16_of's distances).
+double bfloat16_value(std::uint16_t bits) {
+  if ((bits & 0x7fff) == 0x7f80) {
+    return (bits & 0x8000) ? -std::ldexp(1.0, 128) : std::ldexp(1.0, 128);
+  }
   std::uint32_t wide = std::uint32_t{bits} << 16;
   float value;
   std::memcpy(&value, &wide, 4);
@@ -27,8 +31,8 @@ std::uint16_t bfloat16_of(float value) {
   const auto below = static_cast<std::uint16_t>(bits >> 16);  // toward zero
   if ((bits & 0xffff) == 0) return below;
   const auto above = static_cast<std::uint16_t>(below + 1);
-  const double distance_below = std::fabs(double{value} - bfloat16_value(below, value));
-  const double distance_above = std::fabs(bfloat16_value(above, value) - double{value});
+  const double distance_below = std::fabs(double{value} - bfloat16_value(below));
+  const double distance_above = std::fabs(bfloat16_value(above) - double{value});
   if (distance_below != distance_above) return distance_below < distance_above ? below : above;
   return (below & 1) ? above : below;
 }
@@ -153,7 +157,7 @@ float reference_load(FloatType type, const void* data, std::int64_t i) {
     return float16_to_float(bits);
 #endif
   }
-  return static_cast<float>(bfloat16_value(bits, 1.0f));
+  return static_cast<float>(bfloat16_value(bits));
 }
 
 std::vector<std::byte> reference_store(FloatType type, float value) {

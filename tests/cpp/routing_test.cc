@@ -471,6 +471,41 @@ TEST(FinalizeRouting, ANaNBecomesTheOneQuietNaN) {
   for (const std::uint32_t bits : float_out) EXPECT_EQ(bits, 0x7fc00000u);
 }
 
+TEST(FinalizeRouting, AnInfinityKeepsItsSign) {
+  // One row each: +inf and -inf in every float type, summed with x1 = 1.
+  const std::int32_t rows[] = {0, 1};
+  const std::uint16_t half_infinities[] = {0x7c00, 0xfc00}, half_ones[] = {0x3c00, 0x3c00};
+  const std::uint16_t bfloat_infinities[] = {0x7f80, 0xff80}, bfloat_ones[] = {0x3f80, 0x3f80};
+  const std::uint32_t float_infinities[] = {0x7f800000u, 0xff800000u};
+  const float float_ones[] = {1.0f, 1.0f};
+  struct Case {
+    DType dtype;
+    FloatType type;
+    const void *infinities, *ones;
+  };
+  for (const Case& c : {Case{DType::kFloat16, FloatType::kFloat16, half_infinities, half_ones},
+                        Case{DType::kBFloat16, FloatType::kBFloat16, bfloat_infinities,
+                             bfloat_ones},
+                        Case{DType::kFloat32, FloatType::kFloat32, float_infinities,
+                             float_ones}}) {
+    std::uint32_t out[2] = {0xa5a5a5a5u, 0xa5a5a5a5u};
+    FinalizeRoutingInputs inputs{TensorView(c.infinities, c.dtype, {2, 1}),
+                                 TensorView(rows, DType::kInt32, {2})};
+    inputs.x1 = TensorView(c.ones, c.dtype, {2, 1});
+    moe_finalize_routing(inputs, {TensorView(out, c.dtype, {2, 1})});
+    const auto size = static_cast<std::size_t>(dtype_bytes(c.dtype, 1));
+    for (int i = 0; i < 2; ++i) {
+      EXPECT_EQ(std::memcmp(reinterpret_cast<const std::byte*>(out) + i * size,
+                            static_cast<const std::byte*>(c.infinities) + i * size, size),
+                0)
+          << dtype_name(c.dtype) << " " << i;
+      EXPECT_EQ(testing::reference_load(c.type, c.infinities, i),
+                i == 0 ? INFINITY : -INFINITY)
+          << dtype_name(c.dtype) << " " << i;
+    }
+  }
+}
+
 struct BadFinalize {
   std::string argument;
   std::function<void(FinalizeRoutingInputs&, FinalizeRoutingAttributes&)> change;
