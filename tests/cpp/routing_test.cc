@@ -394,6 +394,45 @@ TEST(FinalizeRouting, LargeCallsGiveTheSameBitsOnAnyThreadCount) {
   }
 }
 
+TEST(FinalizeRouting, EveryBitPatternMatchesTheReferenceInWholeBlocksAndTails) {
+  // Each 16-bit row holds every pattern (NaNs, infinities, subnormals), x1
+  // them in another order, and weights that overflow, underflow into
+  // subnormals and round; float32 rows are random bits. H is past any block
+  // size and not a multiple of one, so both the block and the tail code run
+  // (run under each MOE_REROUTE_MAX_CPU_ISA by ctest).
+  const std::int64_t T = 4, k = 3, H = 65536 + 37;
+  std::mt19937_64 rng(17);
+  for (const FloatType type : {FloatType::kFloat16, FloatType::kBFloat16, FloatType::kFloat32}) {
+    SCOPED_TRACE(static_cast<int>(type));
+    const std::size_t size = type == FloatType::kFloat32 ? 4 : 2;
+    const auto patterns = [&](std::int64_t rows, std::uint64_t stride) {
+      std::vector<std::byte> bytes(at(rows * H) * size);
+      for (std::int64_t i = 0; i < rows * H; ++i) {
+        const std::uint64_t bits = size == 2 ? (at(i) * stride) & 0xffff : rng();
+        std::memcpy(bytes.data() + at(i) * size, &bits, size);
+      }
+      return bytes;
+    };
+    const std::vector<std::byte> expanded = patterns(T * k, 1), x1 = patterns(T, 40503);
+    const float weights[] = {1.0f, 3.0f, 0x1p-13f, 0.3f, -1.5f, 0x1p-20f,
+                             100.0f, -0.7f, 1.0f, 0x1p-9f, 2.0f, 65504.0f};
+    std::vector<std::int32_t> row_idx(at(T * k));
+    std::iota(row_idx.begin(), row_idx.end(), 0);
+    std::shuffle(row_idx.begin(), row_idx.end(), rng);
+    const DType dtype = dtype_of(type);
+    FinalizeRoutingInputs inputs{TensorView(expanded.data(), dtype, {T * k, H}),
+                                 TensorView(row_idx.data(), DType::kInt32, {T * k})};
+    inputs.x1 = TensorView(x1.data(), dtype, {T, H});
+    inputs.scales = TensorView(weights, DType::kFloat32, {T, k});
+    Output out(infer_finalize_routing(inputs, {kFinalizeRowMajor}).out);
+    moe_finalize_routing(inputs, {out.view}, {kFinalizeRowMajor}, 2);
+    const std::vector<std::byte> want = testing::reference_finalize_routing(
+        {type, FloatType::kFloat32, T, k, H, kFinalizeRowMajor, expanded.data(), T * k,
+         row_idx.data(), x1.data(), nullptr, nullptr, weights, nullptr});
+    EXPECT_EQ(testing::first_difference("out", out.bytes, want.data(), want.size()), "");
+  }
+}
+
 TEST(FinalizeRouting, RoundsToNearestEvenWithoutFusedMultiplyAdd) {
   // (1 + 2^-12)^2 = 1 + 2^-11 + 2^-24 rounds (a tie, to even) to 1 + 2^-11,
   // so x1 + product is 0 in two roundings; fused, it would be 2^-24.
