@@ -243,9 +243,12 @@ class Handle:
         self.num_slots = num_slots  # A: the rows received, or capacity
         self.num_rows = num_rows  # R: the rows of permute_tokens, which expert_out must have
         attributes = local.reroute[0]
-        # moe_re_routing's attributes that place rows.
+        self.device = local.x.device
+        # moe_re_routing's attributes that place rows, and all of them.
         self.placement = dict(expert_alignment=attributes.expert_alignment,
                               allow_spare_rows=attributes.allow_spare_rows)
+        self.attributes = dict(self.placement, idx_type=attributes.idx_type,
+                               expert_token_num_type=attributes.expert_token_num_type)
         sent, received = blocks[self.rank].reshape(-1), blocks[:, self.rank]
         self.sent = sent.tolist()  # [N * E]: pairs sent to each global expert, in sorted order
         self.sent_offset = (np.cumsum(sent) - sent).tolist()
@@ -317,24 +320,44 @@ class Handle:
                                *(self.received_by_rank, self.sent_by_rank)[::step],
                                group=self.group)
 
-    def place(self, parts) -> list:
+    def place(self, parts, weights=None):
         """Dispatch's exchange: each of `parts`, sorted pair rows [T * k, b]
-        uint8, to its rows [R, b] at the experts' ranks, as moe_re_routing
-        places them: pad rows zero, spare rows unwritten."""
-        placed, by_block = [], []
-        for rows in parts:
+        uint8, and `weights`, the pairs' weights [T * k] float32 in sorted
+        order (or None), to their rows [R, ..] at the experts' ranks, as
+        moe_re_routing places them: pad rows zero, spare rows unwritten.
+        One moe_re_routing call places the first part that moves by peer (or
+        a row of one byte) with the weights and gives the index and
+        expert_token_num. Returns (placed parts, placed weights or None,
+        that call's five outputs)."""
+        placed, by_block, ranked = [None] * len(parts), [], {}
+        for i, rows in enumerate(parts):
             if self.by_peer(rows.shape[1]):
-                ranked = rows.new_empty((self.num_slots, rows.shape[1]))
-                self._by_peer(rows, ranked)
-                placed.append(moe_re_routing(ranked, self.counts, **self.placement)[0])
+                ranked[i] = rows.new_empty((self.num_slots, rows.shape[1]))
+                self._by_peer(rows, ranked[i])
             else:
-                placed.append(rows.new_empty((self.num_rows, rows.shape[1])))
-                by_block.append((rows, placed[-1]))
+                placed[i] = rows.new_empty((self.num_rows, rows.shape[1]))
+                by_block.append((rows, placed[i]))
+        ranked_weights = placed_weights = None
+        if weights is not None and self.by_peer(weights.element_size()):
+            ranked_weights = weights.new_empty((self.num_slots,))
+            self._by_peer(weights, ranked_weights)
+        elif weights is not None:
+            placed_weights = weights.new_empty((self.num_rows,))
+            by_block.append((_byte_rows(weights[:, None]), _byte_rows(placed_weights[:, None])))
         self._by_block(by_block)
         for begin, end in self.pad_rows:
             for _, rows in by_block:
                 rows[begin:end] = 0
-        return placed
+        first = next(iter(ranked), None)
+        carrier = (ranked.pop(first) if first is not None
+                   else torch.empty((self.num_slots, 1), dtype=torch.uint8, device=self.device))
+        layout = moe_re_routing(carrier, self.counts, expert_topk_weight=ranked_weights,
+                                **self.attributes)
+        if first is not None:
+            placed[first] = layout[0]
+        for i, rows in ranked.items():
+            placed[i] = moe_re_routing(rows, self.counts, **self.placement)[0]
+        return placed, layout[4] if ranked_weights is not None else placed_weights, layout
 
     def bring_back(self, parts) -> list:
         """Combine's exchange: each of `parts`, placed rows [R, b] uint8, back
@@ -407,17 +430,12 @@ def dispatch(x, expert_idx, num_experts, group, expert_scales, per_token_scales,
             f"capacity: rank {rank} receives {num_received[rank]} rows, more than capacity = "
             f"{local.capacity}") if rank in over else None, int(over[0]), _ERRORS.index(ValueError))
     num_slots = int(num_received[rank]) if local.capacity < 0 else local.capacity
-    # The receiver's index and expert_token_num are moe_re_routing's for these
-    # counts, whatever the rows hold: its call on one byte a row gives them.
-    attributes = local.reroute[0]
+    # R, moe_re_routing's output rows: A, and E * (k - 1) more with alignment k.
+    alignment = local.reroute[0].expert_alignment
+    num_rows = num_slots + (local.experts * (alignment - 1) if alignment > 1 else 0)
     received = torch.from_numpy(blocks[:, rank].astype(np.int32)).to(local.x.device)
-    layout = moe_re_routing(
-        torch.empty((num_slots, 1), dtype=torch.uint8, device=local.x.device), received,
-        expert_token_num_type=attributes.expert_token_num_type, idx_type=attributes.idx_type,
-        expert_alignment=attributes.expert_alignment,
-        allow_spare_rows=attributes.allow_spare_rows)
-    handle = Handle(group, local, blocks, received, num_slots, layout[0].shape[0])
-    outputs = _Dispatch.apply(local.x, local.expert_scales, handle, local, layout)
+    handle = Handle(group, local, blocks, received, num_slots, num_rows)
+    outputs = _Dispatch.apply(local.x, local.expert_scales, handle, local)
     return DispatchResult(*outputs, received, handle)
 
 
@@ -426,18 +444,18 @@ class _Dispatch(torch.autograd.Function):
     as a combine without weights, permute_topk_weight's to expert_scales."""
 
     @staticmethod
-    def forward(ctx, x, expert_scales, handle, local, layout):
+    def forward(ctx, x, expert_scales, handle, local):
         order = handle.order
         # (output, sorted rows, what its rows are like) of each part given.
         parts = [(0, _byte_rows(local.packed), local.packed)]
         if local.per_token_scales is not None:
             scales = local.per_token_scales.contiguous()
             parts.append((1, _byte_rows(scales).index_select(0, order // handle.top_k), scales))
-        if expert_scales is not None:
-            weights = expert_scales.reshape(-1)
-            parts.append((2, _byte_rows(weights[order]), weights))
-        outputs = [None, layout[1], layout[4]]  # without scales [R] zeros, without weights (0,)
-        for (i, _, like), rows in zip(parts, handle.place([rows for _, rows, _ in parts])):
+        weights = None if expert_scales is None else expert_scales.reshape(-1)[order]
+        placed, weight_out, layout = handle.place([rows for _, rows, _ in parts], weights)
+        # Without scales [R] zeros, without weights (0,): the layout call's.
+        outputs = [None, layout[1], layout[4] if weight_out is None else weight_out]
+        for (i, _, like), rows in zip(parts, placed):
             outputs[i] = _typed(rows, like, handle.num_rows)
         tokens, scales_out, weight_out = outputs
         ctx.handle = handle
@@ -490,7 +508,7 @@ class _Combine(torch.autograd.Function):
             if weights is not None:
                 sorted_weights = weights.reshape(-1)[handle.order]
                 sorted_grad = (sorted_grad.float() * sorted_weights[:, None]).to(grad_out.dtype)
-            placed, = handle.place([_byte_rows(sorted_grad.contiguous())])
+            (placed,), _, _ = handle.place([_byte_rows(sorted_grad.contiguous())])
             grad_expert_out = _typed(placed, grad_out, handle.num_rows)
             grad_expert_out[handle.num_valid:] = 0  # the spare rows, which no pair reads
         if ctx.needs_input_grad[1]:
