@@ -13,8 +13,9 @@ sends another for one expert) has SMALL_BLOCK_BYTES or more, straight into
 place, one point-to-point message per non-empty block, each byte crossing
 once; where less, one all_to_all_single into rows in source-rank order,
 placed by moe_re_routing (back: moe_re_routing_inverse, then the
-all_to_all_single). A combine costs one agreement (an all_gather) and the
-exchange back. The
+all_to_all_single). A combine costs one agreement (an all_gather, which
+runs while the rows of an exchange by peer are put back in source-rank
+order) and the exchange back. The
 backward passes exchange rows as well (dispatch's as a combine, combine's as
 a dispatch), so every rank must run them, as with DeepEP; whether x,
 expert_scales and expert_out require grad is agreed with the arguments, so
@@ -100,51 +101,60 @@ def _refuse(step: str, error, failing: int, kind: int) -> None:
                         "argument); nothing was sent")
 
 
-def _agree(group, step: str, error, names=(), values=(), with_counts=False, counts=None):
+class _Agreement:
     """The bounded agreement: one all_gather over the group of each rank's
     failure word (its exception type), the values named `names` (a rank that
     failed has none) and, for dispatch (`with_counts`), its counts (the pairs
-    it sends to each global expert; None where it failed). Raises on every
-    rank when a rank failed or the values differ between ranks (_refuse).
-    Returns every rank's counts, [N, num_experts] int64 on the host: on CUDA
-    one synchronisation. The gathered rows have one length on every rank
-    whatever they passed (the backend ends the process where they differ):
-    up to _COUNT_SLOTS counts ride in them, more take a second gather once
-    every rank knows that num_experts is agreed."""
-    size = dist.get_world_size(group)
-    device = _collective_device(group)
-    head = [0] * (1 + len(names))
-    if error is not None:
-        head[0] = 1 + next((i for i, t in enumerate(_ERRORS) if isinstance(error, t)),
-                           len(_ERRORS) - 1)
-    else:
-        head[1:] = values
-    row = torch.tensor(head + [0] * (_COUNT_SLOTS if with_counts else 0), dtype=torch.int64,
-                       device=device)
-    inline = counts is not None and counts.numel() <= _COUNT_SLOTS
-    if inline:
-        row[len(head):len(head) + counts.numel()] = counts
-    gathered = row.new_empty((size * row.numel(),))
-    dist.all_gather_into_tensor(gathered, row, group=group)
-    gathered = gathered.view(size, -1).cpu().numpy()
-    failed = np.flatnonzero(gathered[:, 0])
-    if failed.size:
-        _refuse(step, error, int(failed[0]), int(gathered[failed[0], 0]) - 1)
-    values = gathered[:, 1:len(head)]
-    low, high = values.min(axis=0), values.max(axis=0)
-    differs = np.flatnonzero(low != high)
-    if differs.size:
-        i = differs[0]
-        raise ValueError(f"{names[i]} differs across ranks ({low[i]} to {high[i]}); every rank "
-                         "must pass the same")
-    if not with_counts:
-        return None
-    if inline:
-        return gathered[:, len(head):len(head) + counts.numel()]
-    counts = counts.to(device=device, dtype=torch.int64)
-    matrix = counts.new_empty((size * counts.numel(),))
-    dist.all_gather_into_tensor(matrix, counts, group=group)
-    return matrix.view(size, -1).cpu().numpy()
+    it sends to each global expert; None where it failed). It starts here
+    and runs while the caller does local work; result() raises on every
+    rank when a rank failed or the values differ between ranks (_refuse),
+    and returns every rank's counts, [N, num_experts] int64 on the host: on
+    CUDA one synchronisation. The gathered rows have one length on every
+    rank whatever they passed (the backend ends the process where they
+    differ): up to _COUNT_SLOTS counts ride in them, more take a second
+    gather once every rank knows that num_experts is agreed."""
+
+    def __init__(self, group, step: str, error, names=(), values=(), with_counts=False,
+                 counts=None):
+        self.group, self.step, self.error, self.names = group, step, error, names
+        self.with_counts, self.counts = with_counts, counts
+        head = [0] * (1 + len(names))
+        if error is not None:
+            head[0] = 1 + next((i for i, t in enumerate(_ERRORS) if isinstance(error, t)),
+                               len(_ERRORS) - 1)
+        else:
+            head[1:] = values
+        self.head = len(head)
+        row = torch.tensor(head + [0] * (_COUNT_SLOTS if with_counts else 0), dtype=torch.int64,
+                           device=_collective_device(group))
+        self.inline = counts is not None and counts.numel() <= _COUNT_SLOTS
+        if self.inline:
+            row[self.head:self.head + counts.numel()] = counts
+        self.gathered = row.new_empty((dist.get_world_size(group) * row.numel(),))
+        self.work = dist.all_gather_into_tensor(self.gathered, row, group=group, async_op=True)
+
+    def result(self):
+        self.work.wait()
+        size = dist.get_world_size(self.group)
+        gathered = self.gathered.view(size, -1).cpu().numpy()
+        failed = np.flatnonzero(gathered[:, 0])
+        if failed.size:
+            _refuse(self.step, self.error, int(failed[0]), int(gathered[failed[0], 0]) - 1)
+        values = gathered[:, 1:self.head]
+        low, high = values.min(axis=0), values.max(axis=0)
+        differs = np.flatnonzero(low != high)
+        if differs.size:
+            i = differs[0]
+            raise ValueError(f"{self.names[i]} differs across ranks ({low[i]} to {high[i]}); "
+                             "every rank must pass the same")
+        if not self.with_counts:
+            return None
+        if self.inline:
+            return gathered[:, self.head:self.head + self.counts.numel()]
+        counts = self.counts.to(device=_collective_device(self.group), dtype=torch.int64)
+        matrix = counts.new_empty((size * counts.numel(),))
+        dist.all_gather_into_tensor(matrix, counts, group=self.group)
+        return matrix.view(size, -1).cpu().numpy()
 
 
 def _requires_grad(tensor) -> bool:
@@ -359,15 +369,22 @@ class Handle:
             placed[i] = moe_re_routing(rows, self.counts, **self.placement)[0]
         return placed, layout[4] if ranked_weights is not None else placed_weights, layout
 
-    def bring_back(self, parts) -> list:
+    def rank_order(self, placed):
+        """Placed rows [R, b] uint8 in source-rank order [A, b], as an exchange
+        by peer sends them back."""
+        return moe_re_routing_inverse(placed, self.counts, **self.placement)[0]
+
+    def bring_back(self, parts, ranked=None) -> list:
         """Combine's exchange: each of `parts`, placed rows [R, b] uint8, back
-        to the sorted pair rows [T * k, b] at the source ranks."""
+        to the sorted pair rows [T * k, b] at the source ranks; `ranked`, if
+        given, holds rank_order of each part that moves by peer (else None)."""
         returned, by_block = [], []
-        for placed in parts:
+        for i, placed in enumerate(parts):
             returned.append(placed.new_empty((self.num_tokens * self.top_k, placed.shape[1])))
             if self.by_peer(placed.shape[1]):
-                ranked = moe_re_routing_inverse(placed, self.counts, **self.placement)[0]
-                self._by_peer(returned[-1], ranked, back=True)
+                in_order = ranked[i] if ranked is not None else None
+                self._by_peer(returned[-1], self.rank_order(placed) if in_order is None
+                              else in_order, back=True)
             else:
                 by_block.append((returned[-1], placed))
         self._by_block(by_block, back=True)
@@ -391,8 +408,14 @@ class Handle:
                       int(_requires_grad(expert_out)))
         except Exception as caught:  # every rank hears of it before anything is sent
             error, agreed = caught, ()
-        _agree(self.group, "combine", error, _COMBINE_AGREED, agreed)
-        return _Combine.apply(expert_out, self.weights, self)
+        agreement = _Agreement(self.group, "combine", error, _COMBINE_AGREED, agreed)
+        # While it runs: the local reorder before an exchange by peer.
+        ranked = None
+        if error is None and self.by_peer(expert_out.shape[1] * expert_out.element_size()):
+            with torch.no_grad():
+                ranked = self.rank_order(_byte_rows(expert_out.contiguous()))
+        agreement.result()
+        return _Combine.apply(expert_out, self.weights, self, ranked)
 
     def scales(self, weights):
         """moe_finalize_routing's scales: the weights, or ones."""
@@ -417,9 +440,9 @@ def dispatch(x, expert_idx, num_experts, group, expert_scales, per_token_scales,
                        tokens_dtype, expert_alignment, capacity, idx_type, expert_token_num_type)
     except Exception as caught:  # every rank hears of it before anything is sent
         error = caught
-    matrix = _agree(group, "dispatch", error, _DISPATCH_AGREED,
-                    () if local is None else local.agreed, True,
-                    None if local is None else local.sent)
+    matrix = _Agreement(group, "dispatch", error, _DISPATCH_AGREED,
+                        () if local is None else local.agreed, True,
+                        None if local is None else local.sent).result()
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     blocks = matrix.reshape(size, size, local.experts)  # [source, destination, expert]
     num_received = blocks.sum(axis=(0, 2))
@@ -489,9 +512,9 @@ class _Combine(torch.autograd.Function):
     gradient, dot(grad_out[t], row(t, j))."""
 
     @staticmethod
-    def forward(ctx, expert_out, weights, handle):
+    def forward(ctx, expert_out, weights, handle, ranked):
         expert_out = expert_out.contiguous()
-        returned, = handle.bring_back([_byte_rows(expert_out)])
+        returned, = handle.bring_back([_byte_rows(expert_out)], [ranked])
         rows = _typed(returned, expert_out, handle.num_tokens * handle.top_k)
         ctx.handle = handle
         ctx.save_for_backward(weights, rows if ctx.needs_input_grad[1] else None)
@@ -515,4 +538,4 @@ class _Combine(torch.autograd.Function):
             pair_rows = rows[handle.row_idx.long()].float()
             grad_weights = (pair_rows.view(handle.num_tokens, handle.top_k, rows.shape[1])
                             * grad_out.float()[:, None, :]).sum(dim=-1)
-        return grad_expert_out, grad_weights, None
+        return grad_expert_out, grad_weights, None, None
