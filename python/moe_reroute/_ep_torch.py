@@ -3,7 +3,7 @@ steps in the library's torch operators, the bytes in messages, autograd as in
 DeepEP. Called by ep.dispatch for any group that is not an mpi4py
 communicator.
 
-Costs per dispatch: one all_gather of each rank's failure word, the values
+Costs per dispatch: one all-gather (_all_gather) of each rank's failure word, the values
 every rank must pass alike and its counts (N * E int64), which gives every
 rank the whole count matrix; it is read on the host (on CUDA the one
 synchronisation of a dispatch). Then each part (tokens, scales, weights)
@@ -13,7 +13,7 @@ sends another for one expert) has SMALL_BLOCK_BYTES or more, straight into
 place, one point-to-point message per non-empty block, each byte crossing
 once; where less, one all_to_all_single into rows in source-rank order,
 placed by moe_re_routing (back: moe_re_routing_inverse, then the
-all_to_all_single). A combine costs one agreement (an all_gather, which
+all_to_all_single). A combine costs one agreement (an all-gather, which
 runs while the rows of an exchange by peer are put back in source-rank
 order) and the exchange back. The
 backward passes exchange rows as well (dispatch's as a combine, combine's as
@@ -87,7 +87,7 @@ _DISPATCH_AGREED = (
     "x: requires grad", "expert_scales: requires grad")
 _COMBINE_AGREED = ("expert_out: dtype", "expert_out: H'", "expert_out: requires grad")
 # Counts that ride in dispatch's agreement (num_experts up to this: one
-# collective before the rows); more take a second all_gather.
+# collective before the rows); more take a second all-gather.
 _COUNT_SLOTS = 1024
 
 
@@ -101,8 +101,18 @@ def _refuse(step: str, error, failing: int, kind: int) -> None:
                         "argument); nothing was sent")
 
 
+def _all_gather(row, group, async_op=False):
+    """Every rank's 1-D `row` (one length on all), [N * len] in rank order,
+    and the work (None unless `async_op`): an all_to_all_single of the row
+    to every rank, which gloo runs in half the time of its all_gather."""
+    gathered = row.new_empty((dist.get_world_size(group) * row.numel(),))
+    work = dist.all_to_all_single(gathered, row.repeat(dist.get_world_size(group)), group=group,
+                                  async_op=async_op)
+    return gathered, work
+
+
 class _Agreement:
-    """The bounded agreement: one all_gather over the group of each rank's
+    """The bounded agreement: one all-gather over the group of each rank's
     failure word (its exception type), the values named `names` (a rank that
     failed has none) and, for dispatch (`with_counts`), its counts (the pairs
     it sends to each global expert; None where it failed). It starts here
@@ -130,8 +140,7 @@ class _Agreement:
         self.inline = counts is not None and counts.numel() <= _COUNT_SLOTS
         if self.inline:
             row[self.head:self.head + counts.numel()] = counts
-        self.gathered = row.new_empty((dist.get_world_size(group) * row.numel(),))
-        self.work = dist.all_gather_into_tensor(self.gathered, row, group=group, async_op=True)
+        self.gathered, self.work = _all_gather(row, group, async_op=True)
 
     def result(self):
         self.work.wait()
@@ -152,9 +161,7 @@ class _Agreement:
         if self.inline:
             return gathered[:, self.head:self.head + self.counts.numel()]
         counts = self.counts.to(device=_collective_device(self.group), dtype=torch.int64)
-        matrix = counts.new_empty((size * counts.numel(),))
-        dist.all_gather_into_tensor(matrix, counts, group=self.group)
-        return matrix.view(size, -1).cpu().numpy()
+        return _all_gather(counts, self.group)[0].view(size, -1).cpu().numpy()
 
 
 def _requires_grad(tensor) -> bool:
@@ -207,11 +214,14 @@ class _Local:
                                      None], *self.reroute)
         attributes = self.reroute[0]
         _same_device("per_token_scales", per_token_scales, x, "x")
-        # The pack: the pairs' rows sorted by global expert, the ids checked.
+        # The ids checked and sorted by global expert: the call on rows of one
+        # byte; pack() moves x's rows while the agreement runs.
         with torch.no_grad():
-            self.packed, self.row_idx, self.sent, _ = moe_init_routing(
-                x, expert_idx, expert_num=num_experts,
+            _, self.row_idx, self.sent, _ = moe_init_routing(
+                torch.empty((num_tokens, 1), dtype=torch.uint8, device=x.device), expert_idx,
+                expert_num=num_experts,
                 expert_tokens_count_or_cumsum_flag=_COUNT_FLAG)
+        self.expert_idx, self.num_experts = expert_idx, num_experts
         scales_shape = () if per_token_scales is None else tuple(per_token_scales.shape)
         self.agreed = (  # _DISPATCH_AGREED's values
             num_experts, _DTYPE_CODE[specs[0].dtype], specs[0].shape[1],
@@ -223,6 +233,12 @@ class _Local:
             capacity, int(_requires_grad(x)), int(_requires_grad(expert_scales)))
         self.x, self.expert_scales, self.per_token_scales = x, expert_scales, per_token_scales
         self.capacity, self.experts, self.top_k = capacity, experts, top_k
+
+    def pack(self):
+        """The pairs' rows in sorted order (moe_init_routing's gather)."""
+        with torch.no_grad():
+            self.packed = moe_init_routing(self.x, self.expert_idx, expert_num=self.num_experts,
+                                           expert_tokens_count_or_cumsum_flag=_COUNT_FLAG)[0]
 
 
 # A part's mean block (its rows one rank sends another for one expert) below
@@ -321,14 +337,15 @@ class Handle:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
 
-    def _by_peer(self, sorted_rows, ranked, back: bool = False) -> None:
-        """Moves rows between the sorted pair rows at the source (a peer's
-        contiguous) and the rows [A, ..] received in source-rank order, in one
-        all_to_all_single. Forward: sorted to received; back: the reverse."""
+    def _by_peer(self, sorted_rows, ranked, back: bool = False):
+        """Starts moving rows between the sorted pair rows at the source (a
+        peer's contiguous) and the rows [A, ..] received in source-rank
+        order, in one all_to_all_single; returns its work. Forward: sorted to
+        received; back: the reverse."""
         step = -1 if back else 1  # (output, input): (received, sorted), or the reverse
-        dist.all_to_all_single(*(ranked[:self.num_received], sorted_rows)[::step],
-                               *(self.received_by_rank, self.sent_by_rank)[::step],
-                               group=self.group)
+        return dist.all_to_all_single(*(ranked[:self.num_received], sorted_rows)[::step],
+                                      *(self.received_by_rank, self.sent_by_rank)[::step],
+                                      group=self.group, async_op=True)
 
     def place(self, parts, weights=None):
         """Dispatch's exchange: each of `parts`, sorted pair rows [T * k, b]
@@ -339,21 +356,23 @@ class Handle:
         a row of one byte) with the weights and gives the index and
         expert_token_num. Returns (placed parts, placed weights or None,
         that call's five outputs)."""
-        placed, by_block, ranked = [None] * len(parts), [], {}
+        placed, by_block, ranked, works = [None] * len(parts), [], {}, []
         for i, rows in enumerate(parts):
             if self.by_peer(rows.shape[1]):
                 ranked[i] = rows.new_empty((self.num_slots, rows.shape[1]))
-                self._by_peer(rows, ranked[i])
+                works.append(self._by_peer(rows, ranked[i]))
             else:
                 placed[i] = rows.new_empty((self.num_rows, rows.shape[1]))
                 by_block.append((rows, placed[i]))
         ranked_weights = placed_weights = None
         if weights is not None and self.by_peer(weights.element_size()):
             ranked_weights = weights.new_empty((self.num_slots,))
-            self._by_peer(weights, ranked_weights)
+            works.append(self._by_peer(weights, ranked_weights))
         elif weights is not None:
             placed_weights = weights.new_empty((self.num_rows,))
             by_block.append((_byte_rows(weights[:, None]), _byte_rows(placed_weights[:, None])))
+        for work in works:  # in flight together: gloo runs them on its threads
+            work.wait()
         self._by_block(by_block)
         for begin, end in self.pad_rows:
             for _, rows in by_block:
@@ -384,7 +403,7 @@ class Handle:
             if self.by_peer(placed.shape[1]):
                 in_order = ranked[i] if ranked is not None else None
                 self._by_peer(returned[-1], self.rank_order(placed) if in_order is None
-                              else in_order, back=True)
+                              else in_order, back=True).wait()
             else:
                 by_block.append((returned[-1], placed))
         self._by_block(by_block, back=True)
@@ -440,9 +459,12 @@ def dispatch(x, expert_idx, num_experts, group, expert_scales, per_token_scales,
                        tokens_dtype, expert_alignment, capacity, idx_type, expert_token_num_type)
     except Exception as caught:  # every rank hears of it before anything is sent
         error = caught
-    matrix = _Agreement(group, "dispatch", error, _DISPATCH_AGREED,
-                        () if local is None else local.agreed, True,
-                        None if local is None else local.sent).result()
+    agreement = _Agreement(group, "dispatch", error, _DISPATCH_AGREED,
+                           () if local is None else local.agreed, True,
+                           None if local is None else local.sent)
+    if local is not None:
+        local.pack()
+    matrix = agreement.result()
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     blocks = matrix.reshape(size, size, local.experts)  # [source, destination, expert]
     num_received = blocks.sum(axis=(0, 2))
