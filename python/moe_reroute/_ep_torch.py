@@ -3,10 +3,10 @@ steps in the library's torch operators, the bytes in messages, autograd as in
 DeepEP. Called by ep.dispatch for any group that is not an mpi4py
 communicator.
 
-Costs per dispatch: one all-gather (_all_gather) of each rank's failure word, the values
-every rank must pass alike and its counts (N * E int64), which gives every
-rank the whole count matrix; it is read on the host (on CUDA the one
-synchronisation of a dispatch). Then each part (tokens, scales, weights)
+Costs per dispatch: one all-gather (_all_gather) of each rank's failure
+word, the values every rank must pass alike and its counts (N * E int64),
+which gives every rank the whole count matrix; it is read on the host (on
+CUDA the one synchronisation of a dispatch). Then each part (tokens, scales, weights)
 moves one of two ways, picked from the count matrix and its row bytes alike
 on every rank (Handle.by_peer): where its mean block (its rows one rank
 sends another for one expert) has SMALL_BLOCK_BYTES or more, straight into
