@@ -354,8 +354,9 @@ class Handle:
         moe_re_routing places them: pad rows zero, spare rows unwritten.
         One moe_re_routing call places the first part that moves by peer (or
         a row of one byte) with the weights and gives the index and
-        expert_token_num. Returns (placed parts, placed weights or None,
-        that call's five outputs)."""
+        expert_token_num. Returns (placed parts, permute_topk_weight: the
+        placed weights, or that call's (0,) without them, that call's five
+        outputs)."""
         placed, by_block, ranked, works = [None] * len(parts), [], {}, []
         for i, rows in enumerate(parts):
             if self.by_peer(rows.shape[1]):
@@ -386,7 +387,7 @@ class Handle:
             placed[first] = layout[0]
         for i, rows in ranked.items():
             placed[i] = moe_re_routing(rows, self.counts, **self.placement)[0]
-        return placed, layout[4] if ranked_weights is not None else placed_weights, layout
+        return placed, layout[4] if placed_weights is None else placed_weights, layout
 
     def rank_order(self, placed):
         """Placed rows [R, b] uint8 in source-rank order [A, b], as an exchange
@@ -498,8 +499,7 @@ class _Dispatch(torch.autograd.Function):
             parts.append((1, _byte_rows(scales).index_select(0, order // handle.top_k), scales))
         weights = None if expert_scales is None else expert_scales.reshape(-1)[order]
         placed, weight_out, layout = handle.place([rows for _, rows, _ in parts], weights)
-        # Without scales [R] zeros, without weights (0,): the layout call's.
-        outputs = [None, layout[1], layout[4] if weight_out is None else weight_out]
+        outputs = [None, layout[1], weight_out]  # without scales: the layout call's [R] zeros
         for (i, _, like), rows in zip(parts, placed):
             outputs[i] = _typed(rows, like, handle.num_rows)
         tokens, scales_out, weight_out = outputs
