@@ -135,13 +135,13 @@ class Ep:
         self.x, self.ids, self.weights, self.scales = x, ids, weights, scales
 
     def dispatch(self):
-        self.result = moe_reroute.ep.dispatch(self.x, self.ids, self.num_experts,
-                                              expert_scales=self.weights,
-                                              per_token_scales=self.scales)
-        return self.result[:6]
+        result = moe_reroute.ep.dispatch(self.x, self.ids, self.num_experts,
+                                         expert_scales=self.weights, per_token_scales=self.scales)
+        self.handle = result.handle  # what combine needs, as the baseline keeps its counts
+        return result[:6]
 
     def combine(self, expert_out):
-        return moe_reroute.ep.combine(expert_out, self.result.handle)
+        return moe_reroute.ep.combine(expert_out, self.handle)
 
 
 class Limit:

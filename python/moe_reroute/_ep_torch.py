@@ -23,7 +23,9 @@ that every rank's backward moves the same parts."""
 
 from __future__ import annotations
 
+import functools
 import math
+import weakref
 
 import numpy as np
 import torch
@@ -91,14 +93,38 @@ _COMBINE_AGREED = ("expert_out: dtype", "expert_out: H'", "expert_out: requires 
 _COUNT_SLOTS = 1024
 
 
-def _refuse(step: str, error, failing: int, kind: int) -> None:
+def _refuse(step: str, error, failing: int, kind: int, sent: str = "nothing was sent") -> None:
     """Raises on every rank for the lowest failing rank `failing`: this rank's
     own error where it failed, else an exception of the failing rank's type
-    (`kind`, an index into _ERRORS) naming it."""
+    (`kind`, an index into _ERRORS) naming it; `sent` says what crossed."""
     if error is not None:
         raise error
     raise _ERRORS[kind](f"{step}: rank {failing} refused its arguments (its error names the "
-                        "argument); nothing was sent")
+                        f"argument); {sent}")
+
+
+def _agreed(step: str, error, names, rows, sent: str = "nothing was sent") -> tuple:
+    """Every rank's [failure word, values named `names`] (`rows` [N, 1 +
+    len(names)]): raises on every rank where a rank failed (_refuse) or the
+    values differ between ranks; else returns the values."""
+    failed = np.flatnonzero(rows[:, 0])
+    if failed.size:
+        _refuse(step, error, int(failed[0]), int(rows[failed[0], 0]) - 1, sent)
+    values = rows[:, 1:1 + len(names)]
+    low, high = values.min(axis=0), values.max(axis=0)
+    differs = np.flatnonzero(low != high)
+    if differs.size:
+        i = differs[0]
+        raise ValueError(f"{names[i]} differs across ranks ({low[i]} to {high[i]}); "
+                         "every rank must pass the same")
+    return tuple(int(v) for v in values[0])
+
+
+def _failure_word(error) -> int:
+    """0, or 1 + the index in _ERRORS of the first type `error` is."""
+    if error is None:
+        return 0
+    return 1 + next((i for i, t in enumerate(_ERRORS) if isinstance(error, t)), len(_ERRORS) - 1)
 
 
 def _all_gather(row, group, async_op=False):
@@ -114,54 +140,61 @@ def _all_gather(row, group, async_op=False):
 class _Agreement:
     """The bounded agreement: one all-gather over the group of each rank's
     failure word (its exception type), the values named `names` (a rank that
-    failed has none) and, for dispatch (`with_counts`), its counts (the pairs
-    it sends to each global expert; None where it failed). It starts here
-    and runs while the caller does local work; result() raises on every
-    rank when a rank failed or the values differ between ranks (_refuse),
-    and returns every rank's counts, [N, num_experts] int64 on the host: on
-    CUDA one synchronisation. The gathered rows have one length on every
-    rank whatever they passed (the backend ends the process where they
-    differ): up to _COUNT_SLOTS counts ride in them, more take a second
-    gather once every rank knows that num_experts is agreed."""
+    failed has none) and, for dispatch (`with_counts`), the combine it
+    offers (`offer`, see _offer) and its counts (the pairs it sends to each
+    global expert; None where it failed). It starts here and runs while the
+    caller does local work; result() raises on every rank when a rank failed
+    or the values differ between ranks (_agreed), and returns every rank's
+    counts, [N, num_experts] int64 on the host (on CUDA one
+    synchronisation), and the offer if every rank made the same (else
+    None). The gathered rows have one length on every rank whatever they
+    passed (the backend ends the process where they differ): up to
+    _COUNT_SLOTS counts ride in them, more take a second gather once every
+    rank knows that num_experts is agreed."""
 
     def __init__(self, group, step: str, error, names=(), values=(), with_counts=False,
-                 counts=None):
+                 counts=None, offer=(0, 0)):
         self.group, self.step, self.error, self.names = group, step, error, names
         self.with_counts, self.counts = with_counts, counts
-        head = [0] * (1 + len(names))
-        if error is not None:
-            head[0] = 1 + next((i for i, t in enumerate(_ERRORS) if isinstance(error, t)),
-                               len(_ERRORS) - 1)
-        else:
-            head[1:] = values
+        head = [_failure_word(error), *(values if error is None else [0] * len(names))]
         self.head = len(head)
-        row = torch.tensor(head + [0] * (_COUNT_SLOTS if with_counts else 0), dtype=torch.int64,
-                           device=_collective_device(group))
+        if with_counts:
+            head += offer
+        row = np.zeros(len(head) + (_COUNT_SLOTS if with_counts else 0), np.int64)
+        row[:len(head)] = head
+        row = torch.from_numpy(row).to(_collective_device(group))
         self.inline = counts is not None and counts.numel() <= _COUNT_SLOTS
         if self.inline:
-            row[self.head:self.head + counts.numel()] = counts
+            row[self.head + 2:self.head + 2 + counts.numel()] = counts
         self.gathered, self.work = _all_gather(row, group, async_op=True)
 
     def result(self):
         self.work.wait()
         size = dist.get_world_size(self.group)
         gathered = self.gathered.view(size, -1).cpu().numpy()
-        failed = np.flatnonzero(gathered[:, 0])
-        if failed.size:
-            _refuse(self.step, self.error, int(failed[0]), int(gathered[failed[0], 0]) - 1)
-        values = gathered[:, 1:self.head]
-        low, high = values.min(axis=0), values.max(axis=0)
-        differs = np.flatnonzero(low != high)
-        if differs.size:
-            i = differs[0]
-            raise ValueError(f"{self.names[i]} differs across ranks ({low[i]} to {high[i]}); "
-                             "every rank must pass the same")
+        _agreed(self.step, self.error, self.names, gathered[:, :self.head])
         if not self.with_counts:
-            return None
+            return None, None
+        offers = gathered[:, self.head:self.head + 2]
+        offer = (tuple(int(v) for v in offers[0])
+                 if (offers == offers[0]).all() and offers[0, 1] > 0 else None)
         if self.inline:
-            return gathered[:, self.head:self.head + self.counts.numel()]
+            first = self.head + 2
+            return gathered[:, first:first + self.counts.numel()], offer
         counts = self.counts.to(device=_collective_device(self.group), dtype=torch.int64)
-        return _all_gather(counts, self.group)[0].view(size, -1).cpu().numpy()
+        return _all_gather(counts, self.group)[0].view(size, -1).cpu().numpy(), offer
+
+
+# The combine each group last agreed, by the tokens dispatched before it:
+# {group: {(x's dtype code, H): (expert_out's dtype code, H')}}. Dispatch
+# offers it in its agreement; where every rank offers the same, combine sizes
+# its exchange by it and sends its failure word with the rows (Handle.combine):
+# one collective instead of an agreement and then an exchange.
+_OFFERS = weakref.WeakKeyDictionary()
+
+
+def _offers(group) -> dict:
+    return _OFFERS.setdefault(dist.group.WORLD if group is None else group, {})
 
 
 def _requires_grad(tensor) -> bool:
@@ -233,6 +266,7 @@ class _Local:
             capacity, int(_requires_grad(x)), int(_requires_grad(expert_scales)))
         self.x, self.expert_scales, self.per_token_scales = x, expert_scales, per_token_scales
         self.capacity, self.experts, self.top_k = capacity, experts, top_k
+        self.offer_key = self.agreed[1:3]  # x's dtype code and H: what _offers keeps by
 
     def pack(self):
         """The pairs' rows in sorted order (moe_init_routing's gather)."""
@@ -259,7 +293,7 @@ class Handle:
     every rank's, so that every rank picks the same way to exchange."""
 
     def __init__(self, group, local: _Local, blocks: np.ndarray, counts, num_slots: int,
-                 num_rows: int):
+                 num_rows: int, offer):
         self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self._peers = [r if group is None else dist.get_global_rank(group, r)
@@ -296,11 +330,21 @@ class Handle:
         remote = blocks[~np.eye(self.size, dtype=bool)]  # the blocks between two ranks
         self.block_rows = remote.sum() / max(np.count_nonzero(remote), 1)
         self.row_idx = local.row_idx  # [T * k] int32: the sorted position of pair t * k + j
-        # The pair at each sorted position.
-        self.order = torch.empty_like(self.row_idx, dtype=torch.int64)
-        self.order[self.row_idx.long()] = torch.arange(self.row_idx.numel(),
-                                                       device=self.row_idx.device)
         self.weights = local.expert_scales  # [T, k] float32 or None (weight 1)
+        # The (dtype code, H') combine's exchange is sized by (None: agree
+        # first), and where the agreed one is kept for the next dispatch.
+        self.expected, self.offers, self.offer_key = offer, _offers(group), local.offer_key
+
+    @functools.cached_property
+    def order(self):
+        """The pair at each sorted position [T * k] int64."""
+        order = torch.empty_like(self.row_idx, dtype=torch.int64)
+        order[self.row_idx.long()] = torch.arange(self.row_idx.numel(), device=self.device)
+        return order
+
+    def sort(self, pairs):
+        """Per-pair values [T * k] in sorted order."""
+        return pairs.new_empty(pairs.shape).index_copy_(0, self.row_idx.long(), pairs)
 
     def by_peer(self, row_bytes: int) -> bool:
         """Whether a part of `row_bytes` a row moves one message per peer
@@ -394,26 +438,39 @@ class Handle:
         by peer sends them back."""
         return moe_re_routing_inverse(placed, self.counts, **self.placement)[0]
 
-    def bring_back(self, parts, ranked=None) -> list:
+    def bring_back(self, parts, word=None):
         """Combine's exchange: each of `parts`, placed rows [R, b] uint8, back
-        to the sorted pair rows [T * k, b] at the source ranks; `ranked`, if
-        given, holds rank_order of each part that moves by peer (else None)."""
-        returned, by_block = [], []
-        for i, placed in enumerate(parts):
+        to the sorted pair rows [T * k, b] at the source ranks. `word` (int32
+        [4]: the failure word and the values), if given, goes to every rank
+        in an all-gather of its own, in flight with the rows. Returns the
+        rows and every rank's word [N, 4] (or None)."""
+        if word is not None:
+            words, word_work = _all_gather(word, self.group, async_op=True)
+        returned, by_block, works = [], [], []
+        for placed in parts:
             returned.append(placed.new_empty((self.num_tokens * self.top_k, placed.shape[1])))
             if self.by_peer(placed.shape[1]):
-                in_order = ranked[i] if ranked is not None else None
-                self._by_peer(returned[-1], self.rank_order(placed) if in_order is None
-                              else in_order, back=True).wait()
+                works.append(self._by_peer(returned[-1], self.rank_order(placed), back=True))
             else:
                 by_block.append((returned[-1], placed))
         self._by_block(by_block, back=True)
-        return returned
+        for work in works:
+            work.wait()
+        if word is None:
+            return returned, None
+        word_work.wait()
+        return returned, words.view(self.size, -1)
 
     def combine(self, expert_out):
         """ep.combine: expert_out [R, H'] back to the source ranks, each token's
-        k rows summed as moe_finalize_routing mode 2 sums them."""
-        error = None
+        k rows summed as moe_finalize_routing mode 2 sums them. The exchange
+        is sized by the (dtype, H') dispatch's ranks offered alike (_offer),
+        each rank's failure word and values travelling with its rows: one
+        collective. A rank that refuses sends zero rows in place of its own,
+        as does every rank whose expert_out is not as offered; where every
+        rank passed the same other (dtype, H'), the exchange runs again with
+        theirs. Without an offer an agreement runs first."""
+        error, values = None, (0, 0, 0)
         try:
             expert_out = _tensor("expert_out", expert_out)
             if expert_out.dtype not in _FLOATS:
@@ -424,18 +481,33 @@ class Handle:
                 raise ValueError(f"expert_out: must be [R, H'] with R = {self.num_rows} rows "
                                  f"(dispatch's permute_tokens), got {_spec(expert_out)}")
             _same_device("expert_out", expert_out, self.row_idx, "x")
-            agreed = (_DTYPE_CODE[_dtype_name(expert_out)], expert_out.shape[1],
+            values = (_DTYPE_CODE[_dtype_name(expert_out)], expert_out.shape[1],
                       int(_requires_grad(expert_out)))
-        except Exception as caught:  # every rank hears of it before anything is sent
-            error, agreed = caught, ()
-        agreement = _Agreement(self.group, "combine", error, _COMBINE_AGREED, agreed)
-        # While it runs: the local reorder before an exchange by peer.
-        ranked = None
-        if error is None and self.by_peer(expert_out.shape[1] * expert_out.element_size()):
+        except Exception as caught:  # every rank hears of it before anything is used
+            error = caught
+        sent = "its rows were not sent"
+        if self.expected is None:
+            _Agreement(self.group, "combine", error, _COMBINE_AGREED, values).result()
+            self.expected, sent = values[:2], "nothing was sent"
+        word = torch.tensor([_failure_word(error), *values], dtype=torch.int32,
+                            device=_collective_device(self.group))
+        while True:
+            dtype = _bridge.TABLE[self.expected[0]]
+            row_bytes = self.expected[1] * dtype["bits"] // 8
+            offered = error is None and values[:2] == self.expected
             with torch.no_grad():
-                ranked = self.rank_order(_byte_rows(expert_out.contiguous()))
-        agreement.result()
-        return _Combine.apply(expert_out, self.weights, self, ranked)
+                placed = (_byte_rows(expert_out.contiguous()) if offered else
+                          torch.zeros((self.num_rows, row_bytes), dtype=torch.uint8,
+                                      device=self.device))
+                [returned], words = self.bring_back([placed], word)
+            if offered and bool((words == word).all()):
+                break  # every rank passed the same, as offered
+            agreed = _agreed("combine", error, _COMBINE_AGREED, words.cpu().numpy(), sent)
+            if agreed[:2] == self.expected:
+                break
+            self.expected = agreed[:2]  # every rank passed another than the offer: again
+        self.offers[self.offer_key] = self.expected
+        return _Combine.apply(expert_out, self.weights, self, returned)
 
     def scales(self, weights):
         """moe_finalize_routing's scales: the weights, or ones."""
@@ -462,10 +534,11 @@ def dispatch(x, expert_idx, num_experts, group, expert_scales, per_token_scales,
         error = caught
     agreement = _Agreement(group, "dispatch", error, _DISPATCH_AGREED,
                            () if local is None else local.agreed, True,
-                           None if local is None else local.sent)
+                           None if local is None else local.sent,
+                           _offers(group).get(local.offer_key, (0, 0)) if local is not None else (0, 0))
     if local is not None:
         local.pack()
-    matrix = agreement.result()
+    matrix, offer = agreement.result()
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     blocks = matrix.reshape(size, size, local.experts)  # [source, destination, expert]
     num_received = blocks.sum(axis=(0, 2))
@@ -480,7 +553,7 @@ def dispatch(x, expert_idx, num_experts, group, expert_scales, per_token_scales,
     alignment = local.reroute[0].expert_alignment
     num_rows = num_slots + (local.experts * (alignment - 1) if alignment > 1 else 0)
     received = torch.from_numpy(blocks[:, rank].astype(np.int32)).to(local.x.device)
-    handle = Handle(group, local, blocks, received, num_slots, num_rows)
+    handle = Handle(group, local, blocks, received, num_slots, num_rows, offer)
     outputs = _Dispatch.apply(local.x, local.expert_scales, handle, local)
     return DispatchResult(*outputs, received, handle)
 
@@ -491,13 +564,13 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, expert_scales, handle, local):
-        order = handle.order
         # (output, sorted rows, what its rows are like) of each part given.
         parts = [(0, _byte_rows(local.packed), local.packed)]
         if local.per_token_scales is not None:
             scales = local.per_token_scales.contiguous()
-            parts.append((1, _byte_rows(scales).index_select(0, order // handle.top_k), scales))
-        weights = None if expert_scales is None else expert_scales.reshape(-1)[order]
+            parts.append((1, _byte_rows(scales).index_select(0, handle.order // handle.top_k),
+                          scales))
+        weights = None if expert_scales is None else handle.sort(expert_scales.reshape(-1))
         placed, weight_out, layout = handle.place([rows for _, rows, _ in parts], weights)
         outputs = [None, layout[1], weight_out]  # without scales: the layout call's [R] zeros
         for (i, _, like), rows in zip(parts, placed):
@@ -513,11 +586,11 @@ class _Dispatch(torch.autograd.Function):
     def backward(ctx, grad_tokens, _scales, _idx, _num, grad_weight):
         handle = ctx.handle
         needs_x, needs_weights = ctx.needs_input_grad[:2]
-        pairs = handle.num_tokens * handle.top_k
         grads = [grad.contiguous() for grad, needed in ((grad_tokens, needs_x),
                                                         (grad_weight, needs_weights)) if needed]
-        rows = [_typed(returned, grad, pairs)
-                for returned, grad in zip(handle.bring_back(map(_byte_rows, grads)), grads)]
+        pairs = handle.num_tokens * handle.top_k
+        returned, _ = handle.bring_back([_byte_rows(grad) for grad in grads])
+        rows = [_typed(back, grad, pairs) for back, grad in zip(returned, grads)]
         grad_x = grad_weights = None
         if needs_x:
             grad_x = moe_finalize_routing(rows.pop(0), handle.row_idx, scales=handle.scales(None),
@@ -529,14 +602,13 @@ class _Dispatch(torch.autograd.Function):
 
 
 class _Combine(torch.autograd.Function):
-    """The exchange and the weighted sum of combine; backward: a dispatch of
-    the gradient, each pair's row grad_out[t] * w[t, j], and the weights'
-    gradient, dot(grad_out[t], row(t, j))."""
+    """The weighted sum of combine on the sorted pair rows its exchange
+    brought back (`returned`, bytes); backward: a dispatch of the gradient,
+    each pair's row grad_out[t] * w[t, j], and the weights' gradient,
+    dot(grad_out[t], row(t, j))."""
 
     @staticmethod
-    def forward(ctx, expert_out, weights, handle, ranked):
-        expert_out = expert_out.contiguous()
-        returned, = handle.bring_back([_byte_rows(expert_out)], [ranked])
+    def forward(ctx, expert_out, weights, handle, returned):
         rows = _typed(returned, expert_out, handle.num_tokens * handle.top_k)
         ctx.handle = handle
         ctx.save_for_backward(weights, rows if ctx.needs_input_grad[1] else None)
@@ -551,7 +623,7 @@ class _Combine(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             sorted_grad = grad_out.index_select(0, handle.order // handle.top_k)
             if weights is not None:
-                sorted_weights = weights.reshape(-1)[handle.order]
+                sorted_weights = handle.sort(weights.reshape(-1))
                 sorted_grad = (sorted_grad.float() * sorted_weights[:, None]).to(grad_out.dtype)
             (placed,), _, _ = handle.place([_byte_rows(sorted_grad.contiguous())])
             grad_expert_out = _typed(placed, grad_out, handle.num_rows)
