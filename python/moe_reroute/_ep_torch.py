@@ -4,22 +4,28 @@ DeepEP. Called by ep.dispatch for any group that is not an mpi4py
 communicator.
 
 Costs per dispatch: one all-gather (_all_gather) of each rank's failure
-word, the values every rank must pass alike and its counts (N * E int64),
-which gives every rank the whole count matrix; it is read on the host (on
-CUDA the one synchronisation of a dispatch). Then each part (tokens, scales, weights)
-moves one of two ways, picked from the count matrix and its row bytes alike
-on every rank (Handle.by_peer): where its mean block (its rows one rank
-sends another for one expert) has SMALL_BLOCK_BYTES or more, straight into
-place, one point-to-point message per non-empty block, each byte crossing
-once; where less, one all_to_all_single into rows in source-rank order,
-placed by moe_re_routing (back: moe_re_routing_inverse, then the
-all_to_all_single). A combine costs one agreement (an all-gather, which
-runs while the rows of an exchange by peer are put back in source-rank
-order) and the exchange back. The
+word, the values every rank must pass alike, the combine it offers (_OFFERS),
+the tokens it sends each rank and its counts (N * E int64), which gives every
+rank the whole count matrix; it is read on the host (on CUDA the one
+synchronisation of a dispatch). While it runs, each rank gathers the rows of
+the tokens it sends, each token once to each rank that has one of its
+experts (and their per-token scales alike). Then one all_to_all_single of
+those rows (one more for the scales) and one of each pair's row index there
+and weight; one moe_re_routing call places the pairs' indices and weights
+and gives idx and expert_token_num, and one gather of the received rows by
+the placed indices is permute_tokens. A combine sends each pair's row back
+one of two ways, picked from the count matrix and the row bytes alike on
+every rank (Handle.by_peer): where the mean block (the rows one rank sends
+another for one expert) has SMALL_BLOCK_BYTES or more, one point-to-point
+message per block, straight into the pair rows; where less,
+moe_re_routing_inverse puts them in source-rank order for one
+all_to_all_single. Its exchange is sized by the offer every rank made at
+dispatch, and each rank's failure word goes in an all-gather beside the rows,
+so no agreement runs before the rows move (without an offer, one does). The
 backward passes exchange rows as well (dispatch's as a combine, combine's as
-a dispatch), so every rank must run them, as with DeepEP; whether x,
-expert_scales and expert_out require grad is agreed with the arguments, so
-that every rank's backward moves the same parts."""
+a dispatch of a row per pair), so every rank must run them, as with DeepEP;
+whether x, expert_scales and expert_out require grad is agreed with the
+arguments, so that every rank's backward moves the same parts."""
 
 from __future__ import annotations
 
@@ -88,7 +94,7 @@ _DISPATCH_AGREED = (
     # Every rank's backward exchanges, or none's.
     "x: requires grad", "expert_scales: requires grad")
 _COMBINE_AGREED = ("expert_out: dtype", "expert_out: H'", "expert_out: requires grad")
-# Counts that ride in dispatch's agreement (num_experts up to this: one
+# Counts that ride in dispatch's agreement (N + num_experts up to this: one
 # collective before the rows); more take a second all-gather.
 _COUNT_SLOTS = 1024
 
@@ -141,11 +147,12 @@ class _Agreement:
     """The bounded agreement: one all-gather over the group of each rank's
     failure word (its exception type), the values named `names` (a rank that
     failed has none) and, for dispatch (`with_counts`), the combine it
-    offers (`offer`, see _offer) and its counts (the pairs it sends to each
-    global expert; None where it failed). It starts here and runs while the
+    offers (`offer`, see _OFFERS) and its counts (the tokens it sends to each
+    rank, then the pairs it sends to each global expert; None where it
+    failed). It starts here and runs while the
     caller does local work; result() raises on every rank when a rank failed
     or the values differ between ranks (_agreed), and returns every rank's
-    counts, [N, num_experts] int64 on the host (on CUDA one
+    counts, [N, N + num_experts] int64 on the host (on CUDA one
     synchronisation), and the offer if every rank made the same (else
     None). The gathered rows have one length on every rank whatever they
     passed (the backend ends the process where they differ): up to
@@ -188,8 +195,8 @@ class _Agreement:
 # The combine each group last agreed, by the tokens dispatched before it:
 # {group: {(x's dtype code, H): (expert_out's dtype code, H')}}. Dispatch
 # offers it in its agreement; where every rank offers the same, combine sizes
-# its exchange by it and sends its failure word with the rows (Handle.combine):
-# one collective instead of an agreement and then an exchange.
+# its exchange by it and sends its failure word in flight with the rows
+# (Handle.combine), instead of an agreement before them.
 _OFFERS = weakref.WeakKeyDictionary()
 
 
@@ -267,21 +274,31 @@ class _Local:
         self.x, self.expert_scales, self.per_token_scales = x, expert_scales, per_token_scales
         self.capacity, self.experts, self.top_k = capacity, experts, top_k
         self.offer_key = self.agreed[1:3]  # x's dtype code and H: what _offers keeps by
+        # Each token goes once to each rank that has one of its experts.
+        self.to_rank = torch.zeros((size, num_tokens), dtype=torch.bool, device=x.device)
+        self.to_rank.scatter_(0, (expert_idx // experts).long().t(), True)
+        self.unique = self.to_rank.sum(dim=1)  # [N]: the tokens this rank sends each rank
 
     def pack(self):
-        """The pairs' rows in sorted order (moe_init_routing's gather)."""
+        """While the agreement runs: the rows of the tokens each rank gets, in
+        rank order, each rank's in token order (`rows`, and `scale_rows` of
+        per_token_scales), and each pair's row among its rank's
+        (`token_of_pair` [T, k])."""
         with torch.no_grad():
-            self.packed = moe_init_routing(self.x, self.expert_idx, expert_num=self.num_experts,
-                                           expert_tokens_count_or_cumsum_flag=_COUNT_FLAG)[0]
+            dest = (self.expert_idx // self.experts).long()
+            self.token_of_pair = (self.to_rank.cumsum(dim=1) - 1).gather(0, dest.t()).t()
+            tokens = self.to_rank.nonzero()[:, 1]
+            self.rows = _byte_rows(self.x.contiguous()).index_select(0, tokens)
+            self.scale_rows = (None if self.per_token_scales is None else
+                               _byte_rows(self.per_token_scales.contiguous()).index_select(0, tokens))
 
 
-# A part's mean block (its rows one rank sends another for one expert) below
-# this many bytes moves as one all_to_all_single and is placed by
-# moe_re_routing (back: moe_re_routing_inverse first); at and above it, as
-# one message per block straight into place, each byte crossing once. On
-# gloo each message costs about 0.1 ms: bench/ep.py at 2 ranks found the
-# message per peer faster at 115 KiB blocks, the two even at 172 KiB and the
-# message per block faster at 230 KiB.
+# Combine's rows, where their mean block (the rows one rank sends another for
+# one expert) has fewer bytes, move as one all_to_all_single after
+# moe_re_routing_inverse; at and above it, as one message per block straight
+# into the pair rows. On gloo each message costs about 0.1 ms: bench/ep.py at
+# 2 ranks found the message per peer faster at 115 KiB blocks, the two even at
+# 172 KiB and the message per block faster at 230 KiB.
 SMALL_BLOCK_BYTES = 128 << 10
 
 
@@ -292,8 +309,8 @@ class Handle:
     reaches it). `blocks` [N, N, E]: the pairs rank s sends rank r's expert e,
     every rank's, so that every rank picks the same way to exchange."""
 
-    def __init__(self, group, local: _Local, blocks: np.ndarray, counts, num_slots: int,
-                 num_rows: int, offer):
+    def __init__(self, group, local: _Local, blocks: np.ndarray, unique: np.ndarray, counts,
+                 num_slots: int, num_rows: int, offer):
         self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self._peers = [r if group is None else dist.get_global_rank(group, r)
@@ -316,6 +333,12 @@ class Handle:
         self.sent_by_rank = blocks[self.rank].sum(axis=1).tolist()
         self.received_by_rank = received.sum(axis=1).tolist()
         self.num_received = sum(self.received_by_rank)
+        # The tokens dispatch sends each rank and receives from each, and where
+        # this rank's land there: after row 0 (zeros) and the ranks before it.
+        self.unique_sent = unique[self.rank].tolist()
+        self.unique_received = unique[:, self.rank].tolist()
+        self.token_base = 1 + unique[:self.rank].sum(axis=0)
+        self.pair_base = 1 + blocks[:self.rank].sum(axis=(0, 2))
         self.counts = counts  # [N, E] int32 on x's device: received, for moe_re_routing
         # moe_re_routing's DstOffset: expert e's segment (padded totals of the
         # experts before it), then the blocks of ranks 0 .. r - 1.
@@ -324,8 +347,6 @@ class Handle:
         padded = -(-totals // alignment) * alignment
         segment = np.cumsum(padded) - padded
         self.dst = (segment + np.cumsum(received, axis=0) - received).tolist()
-        self.pad_rows = [(int(s + t), int(s + p))
-                         for s, t, p in zip(segment, totals, padded) if p > t]
         self.num_valid = int(padded.sum())  # rows past it are spare
         remote = blocks[~np.eye(self.size, dtype=bool)]  # the blocks between two ranks
         self.block_rows = remote.sum() / max(np.count_nonzero(remote), 1)
@@ -351,12 +372,11 @@ class Handle:
         rather than per block: its mean block is small. The same on every rank."""
         return row_bytes * self.block_rows < SMALL_BLOCK_BYTES
 
-    def _by_block(self, parts, back: bool = False) -> None:
-        """Moves each (rank, expert) block of rows between the sorted pair
-        rows at the source and its place at the expert's rank; `parts` are
+    def _by_block(self, parts) -> None:
+        """Moves each (rank, expert) block of rows from its place at the
+        expert's rank back to the sorted pair rows at the source; `parts` are
         (sorted rows [T * k, ..], placed rows [R, ..]) byte-row pairs, all
-        moved in one batch. Forward: sorted to placed (dispatch); back:
-        placed to sorted (combine). A rank's own blocks are copied."""
+        moved in one batch. A rank's own blocks are copied."""
         if not parts:  # the loop over the blocks costs at decode size
             return
         ops = []
@@ -366,10 +386,7 @@ class Handle:
                 first, sent = self.sent_offset[g], self.sent[g]
                 at, received = self.dst[peer][e], self.received[peer][e]
                 for sorted_rows, placed in parts:
-                    out_block = sorted_rows[first:first + sent]
-                    in_block = placed[at:at + received]
-                    if back:
-                        out_block, in_block = in_block, out_block
+                    out_block, in_block = placed[at:at + received], sorted_rows[first:first + sent]
                     if peer == self.rank:
                         in_block.copy_(out_block)
                         continue
@@ -391,47 +408,52 @@ class Handle:
                                       *(self.received_by_rank, self.sent_by_rank)[::step],
                                       group=self.group, async_op=True)
 
-    def place(self, parts, weights=None):
-        """Dispatch's exchange: each of `parts`, sorted pair rows [T * k, b]
-        uint8, and `weights`, the pairs' weights [T * k] float32 in sorted
-        order (or None), to their rows [R, ..] at the experts' ranks, as
-        moe_re_routing places them: pad rows zero, spare rows unwritten.
-        One moe_re_routing call places the first part that moves by peer (or
-        a row of one byte) with the weights and gives the index and
-        expert_token_num. Returns (placed parts, permute_topk_weight: the
-        placed weights, or that call's (0,) without them, that call's five
-        outputs)."""
-        placed, by_block, ranked, works = [None] * len(parts), [], {}, []
-        for i, rows in enumerate(parts):
-            if self.by_peer(rows.shape[1]):
-                ranked[i] = rows.new_empty((self.num_slots, rows.shape[1]))
-                works.append(self._by_peer(rows, ranked[i]))
-            else:
-                placed[i] = rows.new_empty((self.num_rows, rows.shape[1]))
-                by_block.append((rows, placed[i]))
-        ranked_weights = placed_weights = None
-        if weights is not None and self.by_peer(weights.element_size()):
-            ranked_weights = weights.new_empty((self.num_slots,))
-            works.append(self._by_peer(weights, ranked_weights))
-        elif weights is not None:
-            placed_weights = weights.new_empty((self.num_rows,))
-            by_block.append((_byte_rows(weights[:, None]), _byte_rows(placed_weights[:, None])))
+    def place(self, parts, index, weights, sent, received):
+        """Dispatch's exchange. `parts`: byte rows [sum(sent), b] (or None),
+        the rows each rank gets in rank order, `sent[r]` to rank r; `index`
+        [T * k] int32, each pair's row at its expert's rank (1 + the rows of
+        the ranks before this one there + its place among this rank's), and
+        `weights` [T * k] float32 (or None), both in sorted pair order. The
+        rows land after a row of zeros, the pairs' index and weights in
+        source-rank order, where one moe_re_routing call places them (pad
+        rows 0: the zero row) and gives idx and expert_token_num; each part's
+        rows [R, b] are then one gather (spare rows unwritten). Returns (the
+        placed parts, that call's five outputs)."""
+        meta = index[:, None] if weights is None else torch.stack(
+            (index, weights.view(torch.int32)), dim=1)
+        ranked = meta.new_empty((self.num_slots, meta.shape[1]))
+        works, landed = [self._by_peer(meta, ranked)], []
+        for rows in parts:
+            if rows is None:
+                landed.append(None)
+                continue
+            landed.append(rows.new_empty((1 + sum(received), rows.shape[1])))
+            landed[-1][0] = 0
+            works.append(dist.all_to_all_single(landed[-1][1:], rows, received, sent,
+                                                group=self.group, async_op=True))
         for work in works:  # in flight together: gloo runs them on its threads
             work.wait()
-        self._by_block(by_block)
-        for begin, end in self.pad_rows:
-            for _, rows in by_block:
-                rows[begin:end] = 0
-        first = next(iter(ranked), None)
-        carrier = (ranked.pop(first) if first is not None
-                   else torch.empty((self.num_slots, 1), dtype=torch.uint8, device=self.device))
-        layout = moe_re_routing(carrier, self.counts, expert_topk_weight=ranked_weights,
-                                **self.attributes)
-        if first is not None:
-            placed[first] = layout[0]
-        for i, rows in ranked.items():
-            placed[i] = moe_re_routing(rows, self.counts, **self.placement)[0]
-        return placed, layout[4] if placed_weights is None else placed_weights, layout
+        layout = moe_re_routing(
+            _byte_rows(ranked[:, :1].contiguous()), self.counts,
+            expert_topk_weight=None if weights is None else ranked[:, 1].contiguous().view(
+                torch.float32), **self.attributes)
+        at = layout[0].view(torch.int32).view(-1)[:self.num_valid]
+        placed = []
+        for rows in landed:
+            if rows is not None:
+                placed.append(rows.new_empty((self.num_rows, rows.shape[1])))
+                torch.index_select(rows, 0, at, out=placed[-1][:self.num_valid])
+            else:
+                placed.append(None)
+        return placed, layout
+
+    def pair_index(self):
+        """`place`'s index where each pair is a row of its own: the sorted pair
+        rows [T * k, ..] are what each rank gets, in rank order."""
+        sent = np.asarray(self.sent_by_rank)
+        first = np.cumsum(sent) - sent
+        index = np.repeat(self.pair_base - first, sent) + np.arange(sent.sum())
+        return torch.from_numpy(index.astype(np.int32)).to(self.device)
 
     def rank_order(self, placed):
         """Placed rows [R, b] uint8 in source-rank order [A, b], as an exchange
@@ -453,7 +475,7 @@ class Handle:
                 works.append(self._by_peer(returned[-1], self.rank_order(placed), back=True))
             else:
                 by_block.append((returned[-1], placed))
-        self._by_block(by_block, back=True)
+        self._by_block(by_block)
         for work in works:
             work.wait()
         if word is None:
@@ -464,9 +486,9 @@ class Handle:
     def combine(self, expert_out):
         """ep.combine: expert_out [R, H'] back to the source ranks, each token's
         k rows summed as moe_finalize_routing mode 2 sums them. The exchange
-        is sized by the (dtype, H') dispatch's ranks offered alike (_offer),
-        each rank's failure word and values travelling with its rows: one
-        collective. A rank that refuses sends zero rows in place of its own,
+        is sized by the (dtype, H') dispatch's ranks offered alike (_OFFERS),
+        each rank's failure word and values in an all-gather beside the
+        rows. A rank that refuses sends zero rows in place of its own,
         as does every rank whose expert_out is not as offered; where every
         rank passed the same other (dtype, H'), the exchange runs again with
         theirs. Without an offer an agreement runs first."""
@@ -532,15 +554,18 @@ def dispatch(x, expert_idx, num_experts, group, expert_scales, per_token_scales,
                        tokens_dtype, expert_alignment, capacity, idx_type, expert_token_num_type)
     except Exception as caught:  # every rank hears of it before anything is sent
         error = caught
+    offer, counts = (0, 0), None
+    if local is not None:
+        offer = _offers(group).get(local.offer_key, offer)
+        counts = torch.cat((local.unique, local.sent.to(local.unique.dtype)))
     agreement = _Agreement(group, "dispatch", error, _DISPATCH_AGREED,
-                           () if local is None else local.agreed, True,
-                           None if local is None else local.sent,
-                           _offers(group).get(local.offer_key, (0, 0)) if local is not None else (0, 0))
+                           () if local is None else local.agreed, True, counts, offer)
     if local is not None:
         local.pack()
     matrix, offer = agreement.result()
     rank, size = dist.get_rank(group), dist.get_world_size(group)
-    blocks = matrix.reshape(size, size, local.experts)  # [source, destination, expert]
+    unique = matrix[:, :size]  # [source, destination]: the tokens rank s sends rank r
+    blocks = matrix[:, size:].reshape(size, size, local.experts)  # [source, destination, expert]
     num_received = blocks.sum(axis=(0, 2))
     # Every rank checks every rank's capacity from the counts it has of all.
     over = np.flatnonzero(num_received > local.capacity) if local.capacity >= 0 else []
@@ -553,7 +578,7 @@ def dispatch(x, expert_idx, num_experts, group, expert_scales, per_token_scales,
     alignment = local.reroute[0].expert_alignment
     num_rows = num_slots + (local.experts * (alignment - 1) if alignment > 1 else 0)
     received = torch.from_numpy(blocks[:, rank].astype(np.int32)).to(local.x.device)
-    handle = Handle(group, local, blocks, received, num_slots, num_rows, offer)
+    handle = Handle(group, local, blocks, unique, received, num_slots, num_rows, offer)
     outputs = _Dispatch.apply(local.x, local.expert_scales, handle, local)
     return DispatchResult(*outputs, received, handle)
 
@@ -564,23 +589,22 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, expert_scales, handle, local):
-        # (output, sorted rows, what its rows are like) of each part given.
-        parts = [(0, _byte_rows(local.packed), local.packed)]
-        if local.per_token_scales is not None:
-            scales = local.per_token_scales.contiguous()
-            parts.append((1, _byte_rows(scales).index_select(0, handle.order // handle.top_k),
-                          scales))
+        base = torch.from_numpy(handle.token_base).to(handle.device)
+        dest = (local.expert_idx // handle.experts).long()
+        index = handle.sort((base[dest] + local.token_of_pair).int().reshape(-1))
         weights = None if expert_scales is None else handle.sort(expert_scales.reshape(-1))
-        placed, weight_out, layout = handle.place([rows for _, rows, _ in parts], weights)
-        outputs = [None, layout[1], weight_out]  # without scales: the layout call's [R] zeros
-        for (i, _, like), rows in zip(parts, placed):
-            outputs[i] = _typed(rows, like, handle.num_rows)
-        tokens, scales_out, weight_out = outputs
+        (tokens, scales), layout = handle.place(
+            (local.rows, local.scale_rows), index, weights, handle.unique_sent,
+            handle.unique_received)
+        tokens = _typed(tokens, x, handle.num_rows)
+        # Without scales: the layout call's [R] zeros.
+        scales = layout[1] if scales is None else _typed(scales, local.per_token_scales,
+                                                         handle.num_rows)
         ctx.handle = handle
-        ctx.mark_non_differentiable(scales_out, layout[2], layout[3])
+        ctx.mark_non_differentiable(scales, layout[2], layout[3])
         if expert_scales is None:
-            ctx.mark_non_differentiable(weight_out)
-        return tokens, scales_out, layout[2], layout[3], weight_out
+            ctx.mark_non_differentiable(layout[4])
+        return tokens, scales, layout[2], layout[3], layout[4]
 
     @staticmethod
     def backward(ctx, grad_tokens, _scales, _idx, _num, grad_weight):
@@ -625,7 +649,9 @@ class _Combine(torch.autograd.Function):
             if weights is not None:
                 sorted_weights = handle.sort(weights.reshape(-1))
                 sorted_grad = (sorted_grad.float() * sorted_weights[:, None]).to(grad_out.dtype)
-            (placed,), _, _ = handle.place([_byte_rows(sorted_grad.contiguous())])
+            (placed,), _ = handle.place((_byte_rows(sorted_grad.contiguous()),),
+                                        handle.pair_index(), None, handle.sent_by_rank,
+                                        handle.received_by_rank)
             grad_expert_out = _typed(placed, grad_out, handle.num_rows)
             grad_expert_out[handle.num_valid:] = 0  # the spare rows, which no pair reads
         if ctx.needs_input_grad[1]:
