@@ -4,34 +4,32 @@ DeepEP. Called by ep.dispatch for any group that is not an mpi4py
 communicator.
 
 Costs per dispatch: one all-gather (_all_gather) of each rank's failure
-word, the values every rank must pass alike, the combine it offers (_OFFERS),
-the tokens it sends each rank and its counts (N * E int64), which gives every
-rank the whole count matrix; it is read on the host (on CUDA the one
-synchronisation of a dispatch). While it runs, each rank gathers the rows of
-the tokens it sends, each token once to each rank that has one of its
-experts (and their per-token scales alike). Then one all_to_all_single of
-those rows (one more for the scales) and one of each pair's row index there
-and weight; one moe_re_routing call places the pairs' indices and weights
-and gives idx and expert_token_num, and one gather of the received rows by
-the placed indices is permute_tokens. A combine sends each pair's row back
-one of two ways, picked from the count matrix and the row bytes alike on
-every rank (Handle.by_peer): where the mean block (the rows one rank sends
-another for one expert) has SMALL_BLOCK_BYTES or more, one point-to-point
-message per block, straight into the pair rows; where less,
-moe_re_routing_inverse puts them in source-rank order for one
-all_to_all_single. Its exchange is sized by the offer every rank made at
-dispatch, and each rank's failure word goes in an all-gather beside the rows,
-so no agreement runs before the rows move (without an offer, one does). The
-backward passes exchange rows as well (dispatch's as a combine, combine's as
-a dispatch of a row per pair), so every rank must run them, as with DeepEP;
-whether x, expert_scales and expert_out require grad is agreed with the
-arguments, so that every rank's backward moves the same parts."""
+word, the values every rank must pass alike, the tokens it sends each rank
+and its counts (N * E int64), which gives every rank the whole count
+matrix; it is read on the host (on CUDA the one synchronisation of a
+dispatch). While it runs, each rank gathers the rows of the tokens it sends,
+each token once to each rank that has one of its experts (and their
+per-token scales alike). Then one all_to_all_single of those rows (one more
+for the scales) and one of each pair's row index there and weight; one
+moe_re_routing call places the pairs' indices and weights and gives idx and
+expert_token_num, and one gather of the received rows by the placed indices
+is permute_tokens. A combine costs one agreement (an all-gather, which runs
+while the rows of an exchange by peer are put back in source-rank order) and
+the exchange back, which sends each pair's row one of two ways, picked from
+the count matrix and the row bytes alike on every rank (Handle.by_peer):
+where the mean block (the rows one rank sends another for one expert) has
+SMALL_BLOCK_BYTES or more, one point-to-point message per block, straight
+into the pair rows; where less, one all_to_all_single of the rows in
+source-rank order. The backward passes exchange rows as well (dispatch's as
+a combine, combine's as a dispatch of a row per pair), so every rank must
+run them, as with DeepEP; whether x, expert_scales and expert_out require
+grad is agreed with the arguments, so that every rank's backward moves the
+same parts."""
 
 from __future__ import annotations
 
 import functools
 import math
-import weakref
 
 import numpy as np
 import torch
@@ -99,38 +97,14 @@ _COMBINE_AGREED = ("expert_out: dtype", "expert_out: H'", "expert_out: requires 
 _COUNT_SLOTS = 1024
 
 
-def _refuse(step: str, error, failing: int, kind: int, sent: str = "nothing was sent") -> None:
+def _refuse(step: str, error, failing: int, kind: int) -> None:
     """Raises on every rank for the lowest failing rank `failing`: this rank's
     own error where it failed, else an exception of the failing rank's type
-    (`kind`, an index into _ERRORS) naming it; `sent` says what crossed."""
+    (`kind`, an index into _ERRORS) naming it."""
     if error is not None:
         raise error
     raise _ERRORS[kind](f"{step}: rank {failing} refused its arguments (its error names the "
-                        f"argument); {sent}")
-
-
-def _agreed(step: str, error, names, rows, sent: str = "nothing was sent") -> tuple:
-    """Every rank's [failure word, values named `names`] (`rows` [N, 1 +
-    len(names)]): raises on every rank where a rank failed (_refuse) or the
-    values differ between ranks; else returns the values."""
-    failed = np.flatnonzero(rows[:, 0])
-    if failed.size:
-        _refuse(step, error, int(failed[0]), int(rows[failed[0], 0]) - 1, sent)
-    values = rows[:, 1:1 + len(names)]
-    low, high = values.min(axis=0), values.max(axis=0)
-    differs = np.flatnonzero(low != high)
-    if differs.size:
-        i = differs[0]
-        raise ValueError(f"{names[i]} differs across ranks ({low[i]} to {high[i]}); "
-                         "every rank must pass the same")
-    return tuple(int(v) for v in values[0])
-
-
-def _failure_word(error) -> int:
-    """0, or 1 + the index in _ERRORS of the first type `error` is."""
-    if error is None:
-        return 0
-    return 1 + next((i for i, t in enumerate(_ERRORS) if isinstance(error, t)), len(_ERRORS) - 1)
+                        "argument); nothing was sent")
 
 
 def _all_gather(row, group, async_op=False):
@@ -146,62 +120,56 @@ def _all_gather(row, group, async_op=False):
 class _Agreement:
     """The bounded agreement: one all-gather over the group of each rank's
     failure word (its exception type), the values named `names` (a rank that
-    failed has none) and, for dispatch (`with_counts`), the combine it
-    offers (`offer`, see _OFFERS) and its counts (the tokens it sends to each
-    rank, then the pairs it sends to each global expert; None where it
-    failed). It starts here and runs while the
-    caller does local work; result() raises on every rank when a rank failed
-    or the values differ between ranks (_agreed), and returns every rank's
-    counts, [N, N + num_experts] int64 on the host (on CUDA one
-    synchronisation), and the offer if every rank made the same (else
-    None). The gathered rows have one length on every rank whatever they
-    passed (the backend ends the process where they differ): up to
-    _COUNT_SLOTS counts ride in them, more take a second gather once every
-    rank knows that num_experts is agreed."""
+    failed has none) and, for dispatch (`with_counts`), its counts (the
+    tokens it sends to each rank, then the pairs it sends to each global
+    expert; None where it failed). It starts here and runs while the caller
+    does local work; result() raises on every rank when a rank failed or the
+    values differ between ranks (_refuse), and returns every rank's counts,
+    [N, N + num_experts] int64 on the host: on CUDA one synchronisation. The
+    gathered rows have one length on every rank whatever they passed (the
+    backend ends the process where they differ): up to _COUNT_SLOTS counts
+    ride in them, more take a second gather once every rank knows that
+    num_experts is agreed."""
 
     def __init__(self, group, step: str, error, names=(), values=(), with_counts=False,
-                 counts=None, offer=(0, 0)):
+                 counts=None):
         self.group, self.step, self.error, self.names = group, step, error, names
         self.with_counts, self.counts = with_counts, counts
-        head = [_failure_word(error), *(values if error is None else [0] * len(names))]
+        head = [0] * (1 + len(names))
+        if error is not None:
+            head[0] = 1 + next((i for i, t in enumerate(_ERRORS) if isinstance(error, t)),
+                               len(_ERRORS) - 1)
+        else:
+            head[1:] = values
         self.head = len(head)
-        if with_counts:
-            head += offer
         row = np.zeros(len(head) + (_COUNT_SLOTS if with_counts else 0), np.int64)
         row[:len(head)] = head
         row = torch.from_numpy(row).to(_collective_device(group))
         self.inline = counts is not None and counts.numel() <= _COUNT_SLOTS
         if self.inline:
-            row[self.head + 2:self.head + 2 + counts.numel()] = counts
+            row[self.head:self.head + counts.numel()] = counts
         self.gathered, self.work = _all_gather(row, group, async_op=True)
 
     def result(self):
         self.work.wait()
         size = dist.get_world_size(self.group)
         gathered = self.gathered.view(size, -1).cpu().numpy()
-        _agreed(self.step, self.error, self.names, gathered[:, :self.head])
+        failed = np.flatnonzero(gathered[:, 0])
+        if failed.size:
+            _refuse(self.step, self.error, int(failed[0]), int(gathered[failed[0], 0]) - 1)
+        values = gathered[:, 1:self.head]
+        low, high = values.min(axis=0), values.max(axis=0)
+        differs = np.flatnonzero(low != high)
+        if differs.size:
+            i = differs[0]
+            raise ValueError(f"{self.names[i]} differs across ranks ({low[i]} to {high[i]}); "
+                             "every rank must pass the same")
         if not self.with_counts:
-            return None, None
-        offers = gathered[:, self.head:self.head + 2]
-        offer = (tuple(int(v) for v in offers[0])
-                 if (offers == offers[0]).all() and offers[0, 1] > 0 else None)
+            return None
         if self.inline:
-            first = self.head + 2
-            return gathered[:, first:first + self.counts.numel()], offer
+            return gathered[:, self.head:self.head + self.counts.numel()]
         counts = self.counts.to(device=_collective_device(self.group), dtype=torch.int64)
-        return _all_gather(counts, self.group)[0].view(size, -1).cpu().numpy(), offer
-
-
-# The combine each group last agreed, by the tokens dispatched before it:
-# {group: {(x's dtype code, H): (expert_out's dtype code, H')}}. Dispatch
-# offers it in its agreement; where every rank offers the same, combine sizes
-# its exchange by it and sends its failure word in flight with the rows
-# (Handle.combine), instead of an agreement before them.
-_OFFERS = weakref.WeakKeyDictionary()
-
-
-def _offers(group) -> dict:
-    return _OFFERS.setdefault(dist.group.WORLD if group is None else group, {})
+        return _all_gather(counts, self.group)[0].view(size, -1).cpu().numpy()
 
 
 def _requires_grad(tensor) -> bool:
@@ -273,7 +241,6 @@ class _Local:
             capacity, int(_requires_grad(x)), int(_requires_grad(expert_scales)))
         self.x, self.expert_scales, self.per_token_scales = x, expert_scales, per_token_scales
         self.capacity, self.experts, self.top_k = capacity, experts, top_k
-        self.offer_key = self.agreed[1:3]  # x's dtype code and H: what _offers keeps by
         # Each token goes once to each rank that has one of its experts.
         self.to_rank = torch.zeros((size, num_tokens), dtype=torch.bool, device=x.device)
         self.to_rank.scatter_(0, (expert_idx // experts).long().t(), True)
@@ -310,7 +277,7 @@ class Handle:
     every rank's, so that every rank picks the same way to exchange."""
 
     def __init__(self, group, local: _Local, blocks: np.ndarray, unique: np.ndarray, counts,
-                 num_slots: int, num_rows: int, offer):
+                 num_slots: int, num_rows: int):
         self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self._peers = [r if group is None else dist.get_global_rank(group, r)
@@ -352,9 +319,6 @@ class Handle:
         self.block_rows = remote.sum() / max(np.count_nonzero(remote), 1)
         self.row_idx = local.row_idx  # [T * k] int32: the sorted position of pair t * k + j
         self.weights = local.expert_scales  # [T, k] float32 or None (weight 1)
-        # The (dtype code, H') combine's exchange is sized by (None: agree
-        # first), and where the agreed one is kept for the next dispatch.
-        self.expected, self.offers, self.offer_key = offer, _offers(group), local.offer_key
 
     @functools.cached_property
     def order(self):
@@ -460,39 +424,26 @@ class Handle:
         by peer sends them back."""
         return moe_re_routing_inverse(placed, self.counts, **self.placement)[0]
 
-    def bring_back(self, parts, word=None):
+    def bring_back(self, parts, ranked=None) -> list:
         """Combine's exchange: each of `parts`, placed rows [R, b] uint8, back
-        to the sorted pair rows [T * k, b] at the source ranks. `word` (int32
-        [4]: the failure word and the values), if given, goes to every rank
-        in an all-gather of its own, in flight with the rows. Returns the
-        rows and every rank's word [N, 4] (or None)."""
-        if word is not None:
-            words, word_work = _all_gather(word, self.group, async_op=True)
-        returned, by_block, works = [], [], []
-        for placed in parts:
+        to the sorted pair rows [T * k, b] at the source ranks; `ranked`, if
+        given, holds rank_order of each part that moves by peer (else None)."""
+        returned, by_block = [], []
+        for i, placed in enumerate(parts):
             returned.append(placed.new_empty((self.num_tokens * self.top_k, placed.shape[1])))
             if self.by_peer(placed.shape[1]):
-                works.append(self._by_peer(returned[-1], self.rank_order(placed), back=True))
+                in_order = ranked[i] if ranked is not None else None
+                self._by_peer(returned[-1], self.rank_order(placed) if in_order is None
+                              else in_order, back=True).wait()
             else:
                 by_block.append((returned[-1], placed))
         self._by_block(by_block)
-        for work in works:
-            work.wait()
-        if word is None:
-            return returned, None
-        word_work.wait()
-        return returned, words.view(self.size, -1)
+        return returned
 
     def combine(self, expert_out):
         """ep.combine: expert_out [R, H'] back to the source ranks, each token's
-        k rows summed as moe_finalize_routing mode 2 sums them. The exchange
-        is sized by the (dtype, H') dispatch's ranks offered alike (_OFFERS),
-        each rank's failure word and values in an all-gather beside the
-        rows. A rank that refuses sends zero rows in place of its own,
-        as does every rank whose expert_out is not as offered; where every
-        rank passed the same other (dtype, H'), the exchange runs again with
-        theirs. Without an offer an agreement runs first."""
-        error, values = None, (0, 0, 0)
+        k rows summed as moe_finalize_routing mode 2 sums them."""
+        error = None
         try:
             expert_out = _tensor("expert_out", expert_out)
             if expert_out.dtype not in _FLOATS:
@@ -503,33 +454,18 @@ class Handle:
                 raise ValueError(f"expert_out: must be [R, H'] with R = {self.num_rows} rows "
                                  f"(dispatch's permute_tokens), got {_spec(expert_out)}")
             _same_device("expert_out", expert_out, self.row_idx, "x")
-            values = (_DTYPE_CODE[_dtype_name(expert_out)], expert_out.shape[1],
+            agreed = (_DTYPE_CODE[_dtype_name(expert_out)], expert_out.shape[1],
                       int(_requires_grad(expert_out)))
-        except Exception as caught:  # every rank hears of it before anything is used
-            error = caught
-        sent = "its rows were not sent"
-        if self.expected is None:
-            _Agreement(self.group, "combine", error, _COMBINE_AGREED, values).result()
-            self.expected, sent = values[:2], "nothing was sent"
-        word = torch.tensor([_failure_word(error), *values], dtype=torch.int32,
-                            device=_collective_device(self.group))
-        while True:
-            dtype = _bridge.TABLE[self.expected[0]]
-            row_bytes = self.expected[1] * dtype["bits"] // 8
-            offered = error is None and values[:2] == self.expected
+        except Exception as caught:  # every rank hears of it before anything is sent
+            error, agreed = caught, ()
+        agreement = _Agreement(self.group, "combine", error, _COMBINE_AGREED, agreed)
+        # While it runs: the local reorder before an exchange by peer.
+        ranked = None
+        if error is None and self.by_peer(expert_out.shape[1] * expert_out.element_size()):
             with torch.no_grad():
-                placed = (_byte_rows(expert_out.contiguous()) if offered else
-                          torch.zeros((self.num_rows, row_bytes), dtype=torch.uint8,
-                                      device=self.device))
-                [returned], words = self.bring_back([placed], word)
-            if offered and bool((words == word).all()):
-                break  # every rank passed the same, as offered
-            agreed = _agreed("combine", error, _COMBINE_AGREED, words.cpu().numpy(), sent)
-            if agreed[:2] == self.expected:
-                break
-            self.expected = agreed[:2]  # every rank passed another than the offer: again
-        self.offers[self.offer_key] = self.expected
-        return _Combine.apply(expert_out, self.weights, self, returned)
+                ranked = self.rank_order(_byte_rows(expert_out.contiguous()))
+        agreement.result()
+        return _Combine.apply(expert_out, self.weights, self, ranked)
 
     def scales(self, weights):
         """moe_finalize_routing's scales: the weights, or ones."""
@@ -554,15 +490,13 @@ def dispatch(x, expert_idx, num_experts, group, expert_scales, per_token_scales,
                        tokens_dtype, expert_alignment, capacity, idx_type, expert_token_num_type)
     except Exception as caught:  # every rank hears of it before anything is sent
         error = caught
-    offer, counts = (0, 0), None
-    if local is not None:
-        offer = _offers(group).get(local.offer_key, offer)
-        counts = torch.cat((local.unique, local.sent.to(local.unique.dtype)))
+    counts = (None if local is None
+              else torch.cat((local.unique, local.sent.to(local.unique.dtype))))
     agreement = _Agreement(group, "dispatch", error, _DISPATCH_AGREED,
-                           () if local is None else local.agreed, True, counts, offer)
+                           () if local is None else local.agreed, True, counts)
     if local is not None:
         local.pack()
-    matrix, offer = agreement.result()
+    matrix = agreement.result()
     rank, size = dist.get_rank(group), dist.get_world_size(group)
     unique = matrix[:, :size]  # [source, destination]: the tokens rank s sends rank r
     blocks = matrix[:, size:].reshape(size, size, local.experts)  # [source, destination, expert]
@@ -578,7 +512,7 @@ def dispatch(x, expert_idx, num_experts, group, expert_scales, per_token_scales,
     alignment = local.reroute[0].expert_alignment
     num_rows = num_slots + (local.experts * (alignment - 1) if alignment > 1 else 0)
     received = torch.from_numpy(blocks[:, rank].astype(np.int32)).to(local.x.device)
-    handle = Handle(group, local, blocks, unique, received, num_slots, num_rows, offer)
+    handle = Handle(group, local, blocks, unique, received, num_slots, num_rows)
     outputs = _Dispatch.apply(local.x, local.expert_scales, handle, local)
     return DispatchResult(*outputs, received, handle)
 
@@ -610,11 +544,11 @@ class _Dispatch(torch.autograd.Function):
     def backward(ctx, grad_tokens, _scales, _idx, _num, grad_weight):
         handle = ctx.handle
         needs_x, needs_weights = ctx.needs_input_grad[:2]
+        pairs = handle.num_tokens * handle.top_k
         grads = [grad.contiguous() for grad, needed in ((grad_tokens, needs_x),
                                                         (grad_weight, needs_weights)) if needed]
-        pairs = handle.num_tokens * handle.top_k
-        returned, _ = handle.bring_back([_byte_rows(grad) for grad in grads])
-        rows = [_typed(back, grad, pairs) for back, grad in zip(returned, grads)]
+        rows = [_typed(returned, grad, pairs)
+                for returned, grad in zip(handle.bring_back(map(_byte_rows, grads)), grads)]
         grad_x = grad_weights = None
         if needs_x:
             grad_x = moe_finalize_routing(rows.pop(0), handle.row_idx, scales=handle.scales(None),
@@ -626,13 +560,14 @@ class _Dispatch(torch.autograd.Function):
 
 
 class _Combine(torch.autograd.Function):
-    """The weighted sum of combine on the sorted pair rows its exchange
-    brought back (`returned`, bytes); backward: a dispatch of the gradient,
-    each pair's row grad_out[t] * w[t, j], and the weights' gradient,
-    dot(grad_out[t], row(t, j))."""
+    """The exchange and the weighted sum of combine; backward: a dispatch of
+    the gradient, each pair's row grad_out[t] * w[t, j], and the weights'
+    gradient, dot(grad_out[t], row(t, j))."""
 
     @staticmethod
-    def forward(ctx, expert_out, weights, handle, returned):
+    def forward(ctx, expert_out, weights, handle, ranked):
+        expert_out = expert_out.contiguous()
+        returned, = handle.bring_back([_byte_rows(expert_out)], [ranked])
         rows = _typed(returned, expert_out, handle.num_tokens * handle.top_k)
         ctx.handle = handle
         ctx.save_for_backward(weights, rows if ctx.needs_input_grad[1] else None)

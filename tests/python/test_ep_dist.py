@@ -4,8 +4,8 @@ every scales form, weights present and absent, both index types and count
 modes, expert_alignment with capacity, ranks with no tokens and ranks that
 receive nothing, skewed routing; combine after dispatch (identity experts
 bit for bit); autograd against loops; bad input on one rank and on all;
-each case with the rows moved a message per block, a message per peer and
-each part its own way.
+each case with combine's rows moved a message per block, a message per peer
+and each part its own way.
 
 Each rank count is one launch (this file run as a script, which spawns the
 ranks), run with a timeout so that a hang fails, naming the case each rank
@@ -188,41 +188,22 @@ def check_dispatch(result, want, tensors):
     np.testing.assert_array_equal(result.expert_token_num_per_rank.numpy(), want.counts)
 
 
-def fresh_offers():
-    """Forgets the combines each group agreed: the next dispatch offers none,
-    so its first combine agrees before its exchange."""
-    from moe_reroute import _ep_torch
-    _ep_torch._OFFERS.clear()
-
-
-def dtype_code(dtype) -> int:
-    from moe_reroute import _ep_torch
-    return _ep_torch._DTYPE_CODE[str(dtype).removeprefix("torch.")]
-
-
 def dispatch_and_combine(setup, rank, rng, out_dtype, out_hidden, group=None, **attributes):
-    """A dispatch, then three combines of random expert outputs (every rank's
-    from the seed): the first agrees before its exchange (no offer), the
-    second is sized by the first's (dtype, H'), the third has another H'
-    than that (every rank exchanges twice); checks all. `rank` is the rank in
-    `group`."""
+    """A dispatch, then a combine of random expert outputs (every rank's from
+    the seed); checks both. `rank` is the rank in `group`."""
     from moe_reroute import ep
     wanted = setup.expected(**attributes)
+    expert_outs = [random_floats(rng, (w.tokens.shape[0], out_hidden), out_dtype) for w in wanted]
     tensors = setup.tensors[rank]
-    fresh_offers()
     result = ep.dispatch(num_experts=setup.num_experts, group=group, **tensors, **attributes)
-    offered, outs, expert_outs = [result.handle.expected], [], []
-    for hidden in (out_hidden, out_hidden, out_hidden + 1):
-        expert_outs.append([random_floats(rng, (w.tokens.shape[0], hidden), out_dtype)
-                            for w in wanted])
-        outs.append(ep.combine(expert_outs[-1][rank], result.handle))
-        offered.append(result.handle.expected)
+    out = ep.combine(expert_outs[rank], result.handle)
     check_dispatch(result, wanted[rank], tensors)
-    code = dtype_code(out_dtype)
-    assert offered == [None, (code, out_hidden), (code, out_hidden), (code, out_hidden + 1)]
-    for out, outputs in zip(outs, expert_outs):
-        want = ep_reference.combine([to_numpy(e) for e in outputs], setup.ranks, wanted)[rank]
-        assert_same_floats(to_numpy(out), want)
+    # Each token went once to each rank that has one of its experts.
+    ranks = setup.ranks[rank].expert_idx // (setup.num_experts // len(setup.ranks))
+    assert result.handle.unique_sent == [sum(r in row for row in ranks)
+                                         for r in range(len(setup.ranks))]
+    want = ep_reference.combine([to_numpy(e) for e in expert_outs], setup.ranks, wanted)[rank]
+    assert_same_floats(to_numpy(out), want)
 
 
 def identity_experts(setup, rank, **attributes):
@@ -429,11 +410,10 @@ def autograd_cases(num_ranks):
     return out
 
 
-def refused(call, rank, culprits, own_type, own_message, step="dispatch",
-            sent="nothing was sent"):
+def refused(call, rank, culprits, own_type, own_message, step="dispatch"):
     """Runs `call` and checks what it raised on this rank: on a culprit rank
     its own error (own_message), on the others the same type naming the
-    lowest culprit and saying what crossed (`sent`)."""
+    lowest culprit."""
     try:
         call()
     except Exception as error:  # checked below
@@ -442,7 +422,7 @@ def refused(call, rank, culprits, own_type, own_message, step="dispatch",
         raise AssertionError(f"rank {rank}: no error")
     want = (own_message if rank in culprits else
             f"{step}: rank {min(culprits)} refused its arguments (its error names the argument); "
-            f"{sent}")
+            "nothing was sent")
     assert type(caught) is own_type, (type(caught), caught)
     assert str(caught).startswith(want), (str(caught), want)
 
@@ -565,52 +545,37 @@ def error_cases(num_ranks):
                                     **setup.tensors[rank]), rank, {0}, ValueError,
                 f"capacity: rank 0 receives {4 * num_ranks} rows, more than capacity = 3")
 
-    def combine_refused(name, expert_out, culprits, own_type, own_message):
-        """A bad expert_out on `culprits` (expert_out(rank, R) gives each
-        rank's), refused without an offer (agreed before the exchange:
-        nothing sent) and with one (a good combine first; its failure word
-        travels with zero rows of the offered size)."""
-        def run(rank, num_ranks, offered):
-            setup = setup_for(name)
-            fresh_offers()
-            result = ep.dispatch(num_experts=setup.num_experts, **setup.tensors[rank])
-            rows = result.permute_tokens.shape[0]
-            if offered:
-                ep.combine(torch.ones(rows, 3, dtype=torch.float16), result.handle)
-            refused(lambda: ep.combine(expert_out(rank, rows), result.handle), rank, culprits,
-                    own_type, own_message(rows), step="combine",
-                    sent="its rows were not sent" if offered else "nothing was sent")
-        return [(f"{name}{', offered' if offered else ''}",
-                 lambda rank, num_ranks, offered=offered: run(rank, num_ranks, offered))
-                for offered in (False, True)]
+    def combine_rows(rank, num_ranks):
+        setup = setup_for("combine rows")
+        result = ep.dispatch(num_experts=setup.num_experts, **setup.tensors[rank])
+        rows = result.permute_tokens.shape[0] + (rank == last)
+        refused(lambda: ep.combine(torch.zeros(rows, 3), result.handle), rank, {last},
+                ValueError, f"expert_out: must be [R, H'] with R = {rows - 1} rows (dispatch's "
+                f"permute_tokens), got float32[{rows}, 3]", step="combine")
 
-    combine_cases = (
-        combine_refused("combine rows",
-                        lambda rank, rows: torch.zeros(rows + (rank == last), 3), {last},
-                        ValueError, lambda rows: f"expert_out: must be [R, H'] with R = {rows} "
-                        f"rows (dispatch's permute_tokens), got float32[{rows + 1}, 3]")
-        + combine_refused("combine dtype differs",
-                          lambda rank, rows: torch.zeros(rows, 3, dtype=torch.float32 if rank == last
-                                                         else torch.float16),
-                          set(range(num_ranks)), ValueError,
-                          lambda rows: "expert_out: dtype differs across ranks (0 to 8); every "
-                          "rank must pass the same")
-        + combine_refused("combine int everywhere",
-                          lambda rank, rows: torch.zeros(rows, 3, dtype=torch.int32),
-                          set(range(num_ranks)), TypeError,
-                          lambda rows: "expert_out: dtype int32 is not float16, bfloat16 or "
-                          "float32")
-        + combine_refused("combine not a tensor on rank 0",
-                          lambda rank, rows: np.zeros((rows, 3), np.float16)
-                          if rank == 0 else torch.zeros(rows, 3, dtype=torch.float16), {0},
-                          TypeError, lambda rows: "expert_out: expected torch.Tensor, got "
-                          "numpy.ndarray"))
+    def combine_dtype_differs(rank, num_ranks):
+        setup = setup_for("combine dtype differs")
+        result = ep.dispatch(num_experts=setup.num_experts, **setup.tensors[rank])
+        dtype = torch.float32 if rank == last else torch.float16
+        refused(lambda: ep.combine(torch.zeros(result.permute_tokens.shape[0], 3, dtype=dtype),
+                                   result.handle), rank, set(range(num_ranks)), ValueError,
+                "expert_out: dtype differs across ranks (0 to 8); every rank must pass the same",
+                step="combine")
+
+    def combine_int_everywhere(rank, num_ranks):
+        setup = setup_for("combine int")
+        result = ep.dispatch(num_experts=setup.num_experts, **setup.tensors[rank])
+        refused(lambda: ep.combine(torch.zeros(result.permute_tokens.shape[0], 3,
+                                               dtype=torch.int32), result.handle),
+                rank, set(range(num_ranks)), TypeError,
+                "expert_out: dtype int32 is not float16, bfloat16 or float32", step="combine")
 
     named = [(f.__name__.replace("_", " "), f) for f in (
         bad_id, bad_ids_everywhere, int32_tokens, not_a_tensor, expert_scales_shape, scales_form,
         num_experts_not_a_multiple, num_experts_not_an_int, num_experts_differs,
-        negative_capacity, float8_grad, capacity_exceeded)]
-    return named + combine_cases + [
+        negative_capacity, float8_grad, capacity_exceeded,
+        combine_rows, combine_dtype_differs, combine_int_everywhere)]
+    return named + [
         differs("x: H", 6, 8, hidden_on={last: 8}),
         differs("idx_type", 0, 1, last_arguments=dict(idx_type=1)),
         differs("capacity", -1, 50, last_arguments=dict(capacity=50)),
@@ -623,10 +588,10 @@ def error_cases(num_ranks):
                 last_tensors=lambda t: dict(x=t["x"].clone().requires_grad_()))]
 
 
-# The two ways an exchange moves rows (_ep_torch.Handle.by_peer), picked by
-# the threshold: every part a message per block, every part a message per
-# peer, and each part by its mean block (wide token rows by block, narrow rows
-# and the scales and weights by peer, as at prefill).
+# The two ways combine (and dispatch's backward) moves rows back
+# (_ep_torch.Handle.by_peer), picked by the threshold: every part a message
+# per block, every part a message per peer, and each part by its mean block
+# (wide rows by block, the weights' gradient by peer, as at prefill).
 EXCHANGES = {"by block": 0, "by peer": 1 << 62, "by part": 256}
 
 
