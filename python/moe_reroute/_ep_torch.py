@@ -5,8 +5,8 @@ communicator.
 
 Costs per dispatch: one all-gather (_all_gather) of each rank's failure
 word, the values every rank must pass alike, the tokens it sends each rank
-and its counts (N * E int64), which gives every rank the whole count
-matrix; it is read on the host (on CUDA the one synchronisation of a
+and its pairs to each global expert (N + N * E int64), which gives every
+rank the whole count matrix; it is read on the host (on CUDA the one synchronisation of a
 dispatch). While it runs, each rank gathers the rows of the tokens it sends,
 each token once to each rank that has one of its experts (and their
 per-token scales alike). Then one all_to_all_single of those rows (one more
