@@ -229,7 +229,6 @@ class _Local:
                 torch.empty((num_tokens, 1), dtype=torch.uint8, device=x.device), expert_idx,
                 expert_num=num_experts,
                 expert_tokens_count_or_cumsum_flag=_COUNT_FLAG)
-        self.expert_idx, self.num_experts = expert_idx, num_experts
         scales_shape = () if per_token_scales is None else tuple(per_token_scales.shape)
         self.agreed = (  # _DISPATCH_AGREED's values
             num_experts, _DTYPE_CODE[specs[0].dtype], specs[0].shape[1],
@@ -242,8 +241,9 @@ class _Local:
         self.x, self.expert_scales, self.per_token_scales = x, expert_scales, per_token_scales
         self.capacity, self.experts, self.top_k = capacity, experts, top_k
         # Each token goes once to each rank that has one of its experts.
+        self.dest = (expert_idx // experts).long()  # [T, k]: the rank of each pair's expert
         self.to_rank = torch.zeros((size, num_tokens), dtype=torch.bool, device=x.device)
-        self.to_rank.scatter_(0, (expert_idx // experts).long().t(), True)
+        self.to_rank.scatter_(0, self.dest.t(), True)
         self.unique = self.to_rank.sum(dim=1)  # [N]: the tokens this rank sends each rank
 
     def pack(self):
@@ -252,8 +252,7 @@ class _Local:
         per_token_scales), and each pair's row among its rank's
         (`token_of_pair` [T, k])."""
         with torch.no_grad():
-            dest = (self.expert_idx // self.experts).long()
-            self.token_of_pair = (self.to_rank.cumsum(dim=1) - 1).gather(0, dest.t()).t()
+            self.token_of_pair = (self.to_rank.cumsum(dim=1) - 1).gather(0, self.dest.t()).t()
             tokens = self.to_rank.nonzero()[:, 1]
             self.rows = _byte_rows(self.x.contiguous()).index_select(0, tokens)
             self.scale_rows = (None if self.per_token_scales is None else
@@ -524,8 +523,7 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, expert_scales, handle, local):
         base = torch.from_numpy(handle.token_base).to(handle.device)
-        dest = (local.expert_idx // handle.experts).long()
-        index = handle.sort((base[dest] + local.token_of_pair).int().reshape(-1))
+        index = handle.sort((base[local.dest] + local.token_of_pair).int().reshape(-1))
         weights = None if expert_scales is None else handle.sort(expert_scales.reshape(-1))
         (tokens, scales), layout = handle.place(
             (local.rows, local.scale_rows), index, weights, handle.unique_sent,
